@@ -1,0 +1,90 @@
+"""Paged attention over a ragged batch, plugged into transformers' attention interface.
+
+The Hugging Face model classes run unchanged; we register an attention function that, for each
+layer, writes the step's new keys/values into the paged pool and attends over each sequence's
+cached context. Per-step metadata (slots, masks) is built once by the model runner and reaches
+every layer through the model's forward kwargs.
+
+Sequences with few new tokens (decode, speculative verification) are padded to one length and
+served by a single batched SDPA call; long prefill chunks get one call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from engine.kv_cache import KVCache
+
+ATTENTION_NAME = "specgate_paged"
+
+
+@dataclass(slots=True)
+class LongChunk:
+    start: int  # first packed token of the chunk
+    end: int
+    kv_slots: torch.Tensor  # [S] slots of the context, chunk included
+    mask: torch.Tensor  # [T, S] bool, True where query t may attend key s
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] where each packed token's key/value is stored
+    # Short group: the first num_short * short_len packed tokens, num_short rows of short_len.
+    num_short: int = 0
+    short_len: int = 0
+    short_kv_slots: torch.Tensor | None = None  # [num_short, S] padded with the trash slot
+    short_mask: torch.Tensor | None = None  # [num_short, 1, short_len, S]; None: attend to all
+    long_chunks: list[LongChunk] = field(default_factory=list)
+    compute_dtype: torch.dtype = torch.float32
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    meta = kwargs.get("specgate_meta")
+    if not isinstance(meta, AttentionMetadata):
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs specgate_meta from the engine's model runner")
+    layer = int(getattr(module, "layer_idx", 0))
+    cache = meta.kv_cache
+    cache.write(layer, meta.slot_mapping, key[0], value[0])
+    heads, num_tokens, head_dim = query.shape[1:]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    # On CPU, fp32 SDPA is several times faster than bf16; on GPU this is the model dtype.
+    q = query[0].to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
+    out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
+    if meta.num_short:
+        b, t = meta.num_short, meta.short_len
+        assert meta.short_kv_slots is not None
+        s = meta.short_kv_slots.shape[1]
+        k, v = cache.gather(layer, meta.short_kv_slots.reshape(-1))  # [kv_heads, b * s, head_dim]
+        k = k.view(-1, b, s, head_dim).transpose(0, 1)  # [b, kv_heads, s, head_dim]
+        v = v.view(-1, b, s, head_dim).transpose(0, 1)
+        qs = q[:, : b * t].view(heads, b, t, head_dim).transpose(0, 1)  # [b, heads, t, head_dim]
+        o = _sdpa(qs, k.to(q.dtype), v.to(q.dtype), meta.short_mask, scale)  # [b, heads, t, head_dim]
+        out[: b * t] = o.permute(0, 2, 1, 3).reshape(b * t, heads, head_dim)
+    for chunk in meta.long_chunks:
+        k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
+        qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]
+        o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]
+
+
+def register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,57 @@
+"""Engine configuration: one slotted dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # A Hugging Face model directory, a .gguf file, or None for the embedded default model.
+    model: str | None = None
+    # Which .gguf file inside `model` when `model` is a directory holding GGUF files.
+    gguf_file: str | None = None
+    # "auto" serves in bfloat16: on CPU verifying several tokens then costs about one decode step.
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    # Memory budget of the paged KV pool; `num_blocks` overrides it with an exact count.
+    kv_cache_bytes: int = 512 * 2**20
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    # Token budget of one forward pass: long prompts are prefilled in chunks under it.
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    # Where converted GGUF checkpoints are cached as safetensors (None: convert on every load).
+    convert_cache_dir: str | None = None
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N]; got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is cuda but torch sees no CUDA device")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cpu" or torch.cuda.is_bf16_supported() else "float16"
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

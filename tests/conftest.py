@@ -1,0 +1,95 @@
+"""Shared fixtures: a tiny ASCII tokenizer and tiny random-weight Llama / Qwen2 checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+EOS = "<eos>"
+VOCAB_SIZE = 96  # 95 printable ASCII characters + <eos>
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer over printable ASCII, one token per character: every output decodes cleanly."""
+    to_unicode = pre_tokenizers.ByteLevel.alphabet()
+    byte_map = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
+    assert set(byte_map.values()) == set(to_unicode)
+    vocab = {byte_map[b]: i for i, b in enumerate(range(32, 127))}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+
+
+def _bytes_to_unicode() -> list[str]:
+    # GPT-2's reversible byte -> printable character table, in byte order.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def _save_tiny(path: Path, model: torch.nn.Module) -> Path:
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def tiny_config_kwargs() -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Larger than the default 0.02 so that greedy choices are clear, not near-ties.
+        initializer_range=0.3,
+        eos_token_id=VOCAB_SIZE - 1,
+        bos_token_id=VOCAB_SIZE - 1,
+        pad_token_id=VOCAB_SIZE - 1,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs()))
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), model)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(**tiny_config_kwargs(), use_sliding_window=False))
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), model)
+
+
+@pytest.fixture
+def make_engine(tiny_llama_dir: Path) -> Callable[..., Engine]:
+    """Build an fp32 CPU engine on the tiny Llama (or `model=` another directory)."""
+
+    def make(**overrides: object) -> Engine:
+        kwargs: dict = dict(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_blocks=256)
+        kwargs.update(overrides)
+        return Engine(EngineConfig(**kwargs))
+
+    return make
