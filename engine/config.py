@@ -30,6 +30,8 @@ class EngineConfig:
     convert_cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None
+    # Prepack linear weights for oneDNN on CPU; None: on for bfloat16 / float16 serving on CPU.
+    pack_linears: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -49,6 +51,10 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.pack_linears is None:
+            self.pack_linears = self.device == "cpu" and self.dtype != "float32"
+        if self.pack_linears and self.device != "cpu":
+            raise ValueError("pack_linears is a CPU optimisation")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

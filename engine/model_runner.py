@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata, LongChunk
 from engine.config import EngineConfig
+from engine.cpu_linear import pack_linears, packing_supported
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_model
 
@@ -37,6 +38,11 @@ class ModelRunner:
         self.model, self.tokenizer = load_model(
             self.source, config.torch_dtype, config.device, config.convert_cache_dir
         )
+        if config.pack_linears:
+            if packing_supported(config.torch_dtype):
+                pack_linears(self.model)
+            else:
+                logger.warning("oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype)
         text_config = self.model.config.get_text_config()
         num_layers = text_config.num_hidden_layers
         heads = text_config.num_attention_heads

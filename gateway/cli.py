@@ -1,0 +1,119 @@
+"""The `specgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+logger = logging.getLogger("specgate")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("SPECGATE_CACHE_DIR") or str(Path(user_cache_dir("specgate")) / "models")
+
+
+def _quiet_transformers() -> None:
+    # Weights come from local files only; never let a missing file turn into a hub download.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _engine_config(args: argparse.Namespace):  # -> EngineConfig, imported lazily (torch is slow to import)
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        convert_cache_dir=default_cache_dir(),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from gateway.prompting import render_chat
+
+    engine = Engine(_engine_config(args))
+    tokenizer = engine.tokenizer
+    if args.raw or getattr(tokenizer, "chat_template", None) is None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt_ids = render_chat(tokenizer, messages)
+    max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
+    params = SamplingParams(
+        max_tokens=max(1, max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine.add_request("cli", prompt_ids, params)
+    start = time.perf_counter()
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if final is not None:
+        n = final.stats.num_output_tokens
+        sys.stderr.write(
+            f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={final.finish_reason}]\n"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description="Adaptive speculative-decoding gateway")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion from the embedded engine")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"specgate: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
