@@ -20,8 +20,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,7 +33,16 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from gateway.cli import default_cache_dir  # noqa: E402
 from gateway.prompting import render_chat  # noqa: E402
 
-CATEGORIES = ["coding", "summarization", "qa", "translation", "math_reasoning", "rag", "writing", "extraction"]
+CATEGORIES = [
+    "coding",
+    "summarization",
+    "qa",
+    "translation",
+    "math_reasoning",
+    "rag",
+    "writing",
+    "extraction",
+]
 
 
 def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[tuple[str, str, list[int]]]:
@@ -54,7 +63,9 @@ def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[tuple[str, s
     return out
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[int, float]:
+def run_engine(
+    engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[int, float]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     pending = list(enumerate(prompts))
     in_flight = 0
@@ -82,7 +93,9 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int) -> tuple[int, float
     return tokens, time.perf_counter() - start
 
 
-def run_llama_cpp(gguf: Path, prompts: list[list[int]], max_tokens: int, threads: int) -> tuple[int, float] | None:
+def run_llama_cpp(
+    gguf: Path, prompts: list[list[int]], max_tokens: int, threads: int
+) -> tuple[int, float] | None:
     try:
         import llama_cpp
     except ImportError:
@@ -118,13 +131,16 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    engine = Engine(EngineConfig(dtype=args.dtype, convert_cache_dir=default_cache_dir(), num_threads=args.threads))
+    engine = Engine(
+        EngineConfig(dtype=args.dtype, convert_cache_dir=default_cache_dir(), num_threads=args.threads)
+    )
     prompts = load_prompts(engine.tokenizer, args.num_prompts, args.max_prompt_tokens)
     ids = [p[2] for p in prompts]
     seq_ids = ids[: args.hf_prompts]
-    print(f"model {engine.model_name}, {args.dtype}, {args.threads} threads, {args.max_tokens} new tokens/prompt")
-    print(f"{len(ids)} prompts ({', '.join(sorted({p[0] for p in prompts}))}), "
-          f"prompt tokens {min(map(len, ids))}-{max(map(len, ids))}; sequential rows use the first {len(seq_ids)}")
+    cats = ", ".join(sorted({p[0] for p in prompts}))
+    print(f"model {engine.model_name}, {args.dtype}, {args.threads} threads, {args.max_tokens} tokens/prompt")
+    print(f"{len(ids)} prompts ({cats}), prompt tokens {min(map(len, ids))}-{max(map(len, ids))}")
+    print(f"sequential rows use the first {len(seq_ids)} prompts")
     run_engine(engine, [ids[0][:32]], 1, 8)  # warm-up
 
     source = default_model_source()
@@ -148,7 +164,7 @@ def main() -> None:
         rows.append(("llama.cpp (Q4_1 GGUF), batch 1 (sequential)", *lc))
 
     hf_rate = rows[0][1] / rows[0][2]
-    print(f"\n| system | tokens | seconds | tokens/s | vs HF generate |\n|---|---|---|---|---|")
+    print("\n| system | tokens | seconds | tokens/s | vs HF generate |\n|---|---|---|---|---|")
     for name, n, t in rows:
         print(f"| {name} | {n} | {t:.1f} | {n / t:.1f} | {n / t / hf_rate:.2f}x |")
 

@@ -6,7 +6,11 @@ and preemption free memory without copying any cache contents.
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from typing import Protocol
+
+
+class HasBlockTable(Protocol):
+    block_table: list[int]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -34,25 +38,25 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+    def blocks_needed(self, seq: HasBlockTable, num_tokens: int) -> int:
         """Extra blocks `seq` needs to hold its first `num_tokens` tokens."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+    def can_allocate(self, seq: HasBlockTable, num_tokens: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq, num_tokens) + reserve <= len(self._free)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def allocate(self, seq: HasBlockTable, num_tokens: int) -> None:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self._free)} free")
         for _ in range(need):
             seq.block_table.append(self._free.pop())
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+    def truncate(self, seq: HasBlockTable, num_tokens: int) -> None:
         """Keep only the blocks covering the first `num_tokens` tokens (rollback)."""
         keep = blocks_for(num_tokens, self.block_size)
         while len(seq.block_table) > keep:
             self._free.append(seq.block_table.pop())
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: HasBlockTable) -> None:
         self.truncate(seq, 0)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class EngineConfig:
     convert_cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None
+    # Options of speculative proposers by method name, e.g. {"draft_model": {"model": "/path"}};
+    # proposers named here are built at start-up, so a bad draft model fails early.
+    proposer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Prepack linear weights for oneDNN on CPU; None: on for bfloat16 / float16 serving on CPU.
     pack_linears: bool | None = None
 

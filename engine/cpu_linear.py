@@ -31,7 +31,9 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         # The batch-size hint only tunes the layout; results are correct for any number of rows.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False)
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False
+        )
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

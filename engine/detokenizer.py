@@ -36,8 +36,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
-    def append(self, token_id: int) -> str | None:
-        """Add one output token; return the stop string it completed, if any."""
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one output token; return the stop string it completed, if any.
+
+        With check_stop=False (before min_tokens) stop strings are ignored and stay in the text.
+        """
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -46,7 +49,7 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += delta
-        if not self._stop:
+        if not self._stop or not check_stop:
             return None
         # Only a stop string overlapping the new text can be new.
         search_from = max(0, len(self.text) - len(delta) - self._hold)

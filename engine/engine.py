@@ -1,29 +1,37 @@
-"""The engine: continuous batching over one causal LM. No threads and no I/O of its own.
+"""The engine: continuous batching over one causal LM, with per-request speculation.
 
-The caller (the gateway's engine thread, the CLI, a benchmark) adds requests and calls `step()`
-in a loop; each step runs one forward pass over every scheduled sequence and returns the new
-tokens of each request that advanced, finished or was aborted.
+No threads and no I/O of its own. The caller (the gateway's engine thread, the CLI, a benchmark)
+adds requests and calls `step()` in a loop. Each step runs one target forward pass over every
+scheduled sequence: prefill chunks, plain decodes, and decodes that verify k drafted tokens
+(a different k per sequence, chosen by its controller) all share the batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+import engine.spec.draft_model
+import engine.spec.ngram
+import engine.spec.suffix  # noqa: F401  (registers the built-in proposers)
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
 from engine.model_runner import ForwardItem, ModelRunner
-from engine.outputs import RequestOutput, RequestStats
+from engine.outputs import RequestOutput, RequestStats, SpecStats, TokenLogprob
 from engine.sampler import SamplingRow, process_logits, sample, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec.controller import Candidate, SpecState, choose_k
+from engine.spec.cost_model import CostModel
+from engine.spec.params import SpecParams
+from engine.spec.proposer import Proposal, ProposalRequest, Proposer, ProposerContext, proposer_factory
+from engine.spec.rejection_sampler import verify_greedy, verify_sampled
 
 
 @dataclass(slots=True)
@@ -48,10 +56,14 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.cost_model = CostModel()
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
+        self._proposers: dict[str, Proposer] = {}
+        for method in config.proposer_options:
+            self.proposer(method)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -63,9 +75,29 @@ class Engine:
                 ids.update(int(v) for v in value)
         return frozenset(ids)
 
+    def proposer(self, method: str) -> Proposer:
+        """The engine's proposer for `method`, built from the registry on first use."""
+        proposer = self._proposers.get(method)
+        if proposer is None:
+            ctx = ProposerContext(
+                vocab_size=self.runner.vocab_size,
+                device=self.runner.device,
+                dtype=self.config.dtype,
+                tokenizer=self.tokenizer,
+                options=dict(self.config.proposer_options.get(method, {})),
+            )
+            proposer = self._proposers[method] = proposer_factory(method)(ctx)
+        return proposer
+
     # ---- public API -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        spec: SpecParams | None = None,
+    ) -> None:
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt = [int(t) for t in prompt_token_ids]
@@ -78,32 +110,48 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{len(prompt)} prompt + {params.max_tokens} completion tokens"
             )
-        device = self.runner.device
-        generator = torch.Generator(device=device)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        proposer = None
+        if spec is not None and spec.enabled:
+            try:
+                proposer = self.proposer(spec.method)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from exc
+        generator = torch.Generator(device=self.runner.device)
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        )
         generator.manual_seed(seed)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt, params.stop, params.include_stop_str_in_output
+            )
+        stats = RequestStats(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt))
+        if proposer is not None and spec is not None:
+            stats.spec = SpecStats(spec.method)
         seq = Sequence(
             request_id=request_id,
             token_ids=prompt,
             num_prompt_tokens=len(prompt),
             params=params,
             generator=generator,
-            stats=RequestStats(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt)),
+            stats=stats,
             detokenizer=detok,
+            spec=SpecState(spec) if proposer is not None and spec is not None else None,
         )
+        if proposer is not None:
+            proposer.start(request_id, prompt)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; its final output comes with the next step."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        seq.finish_reason = "abort"
+        self._finish(seq, "abort", None)
         self._aborted.append(seq)
         return True
 
@@ -127,16 +175,17 @@ class Engine:
         if not batch:
             return outputs
         now = time.monotonic()
-        items = [self._forward_item(s) for s in batch]
-        logits = self.runner.execute(items)  # [num_sampling, vocab]
-        sampling = [s for s in batch if s.samples]
-        rows = [self._sampling_row(s.seq) for s in sampling]
-        tokens: list[int] = []
-        logprobs: list = []
-        if rows:
-            tokens = sample(process_logits(logits, rows), rows)
-            logprobs = token_logprobs(logits, tokens, rows)
-        done = time.monotonic()
+        samples = [s.samples for s in batch]  # decided before the step advances any sequence
+        drafts = self._propose(batch)
+        items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
+        t0 = time.perf_counter()
+        logits = self.runner.execute(items)  # [sum of num_logits, vocab]
+        self.cost_model.observe_forward(sum(len(it.token_ids) for it in items), time.perf_counter() - t0)
+        rows: list[SamplingRow] = []
+        for s, d, sampled in zip(batch, drafts, samples, strict=True):
+            if sampled:
+                rows.extend(self._sampling_row(s.seq, d.token_ids[:j]) for j in range(len(d.token_ids) + 1))
+        processed = process_logits(logits, rows) if rows else logits
         for s in batch:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
@@ -145,41 +194,139 @@ class Engine:
                 seq.stats.first_scheduled_time = now
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 seq.stats.num_prefill_chunks += 1
-        for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            self._append_token(s.seq, token, lp, done)
+        done = time.monotonic()
+        r = 0
+        for s, d, sampled in zip(batch, drafts, samples, strict=True):
+            if sampled:
+                block = slice(r, r + len(d.token_ids) + 1)
+                r = block.stop
+                self._emit(s.seq, d, logits[block], processed[block], rows[block], done)
         for s in batch:
             seq = s.seq
             if seq.pending_token_ids or seq.is_finished:
                 outputs.append(self._output(seq))
         return outputs
 
+    # ---- speculation -------------------------------------------------------------------------
+
+    def _propose(self, batch: list[ScheduledSequence]) -> list[Proposal]:
+        """Drafts per scheduled sequence (empty for most); KV room is reserved for them."""
+        drafts = [Proposal([]) for _ in batch]
+        speculating = [
+            i for i, s in enumerate(batch) if s.seq.spec is not None and s.samples and s.num_tokens == 1
+        ]
+        if not speculating:
+            return drafts
+        bs = self.block_manager.block_size
+        free_slots = self.block_manager.num_free_blocks * bs
+        candidates = []
+        for i in speculating:
+            seq = batch[i].seq
+            room = len(seq.block_table) * bs - seq.num_tokens + free_slots
+            cap = min(
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+                room,
+            )
+            assert seq.spec is not None and seq.stats.spec is not None
+            candidates.append(Candidate(seq.spec, seq.stats.spec.method, max(0, cap)))
+        scheduled_tokens = sum(s.num_tokens for s in batch)
+        ks = choose_k(
+            candidates,
+            num_emitting=sum(s.samples for s in batch),
+            num_tokens=scheduled_tokens,
+            budget=max(0, self.config.max_num_batched_tokens - scheduled_tokens),
+            cost=self.cost_model,
+        )
+        by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
+        for i, c, k in zip(speculating, candidates, ks, strict=True):
+            if k > 0:
+                seq = batch[i].seq
+                req = ProposalRequest(
+                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, self._sampling_row(seq, [])
+                )
+                by_method.setdefault(c.method, []).append((i, req))
+        for method, reqs in by_method.items():
+            t0 = time.perf_counter()
+            proposals: list[Proposal] = self.proposer(method).propose([r for _, r in reqs])
+            drafted = 0
+            for (i, req), prop in zip(reqs, proposals, strict=True):
+                seq = batch[i].seq
+                tokens = prop.token_ids[: req.k]
+                if tokens and self.block_manager.can_allocate(seq, seq.num_tokens + len(tokens)):
+                    self.block_manager.allocate(seq, seq.num_tokens + len(tokens))
+                    probs = prop.probs[: len(tokens)] if prop.probs is not None else None
+                    drafts[i] = Proposal(tokens, probs)
+                    drafted += len(tokens)
+            self.cost_model.observe_draft(method, max(1, drafted), time.perf_counter() - t0)
+        return drafts
+
+    def _emit(
+        self,
+        seq: Sequence,
+        proposal: Proposal,
+        raw: torch.Tensor,  # [k + 1, vocab]
+        processed: torch.Tensor,  # [k + 1, vocab]
+        rows: list[SamplingRow],
+        now: float,
+    ) -> None:
+        draft = proposal.token_ids
+        if draft:
+            if seq.params.greedy:
+                result = verify_greedy(processed, draft)
+            else:
+                result = verify_sampled(processed, draft, proposal.probs, seq.generator)
+            tokens, accepted = result.token_ids, result.num_accepted
+            # The accepted drafts' keys/values are valid; the rejected tail is rewound by truncation.
+            seq.num_computed_tokens += accepted
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+        else:
+            tokens, accepted = sample(processed, rows), 0
+        lps = token_logprobs(raw[: len(tokens)], tokens, rows[: len(tokens)])
+        if seq.spec is not None and seq.stats.spec is not None and draft:
+            seq.spec.observe(len(draft), accepted)
+            seq.stats.spec.record(len(draft), accepted)
+        num_before = seq.num_tokens
+        for token, lp in zip(tokens, lps, strict=True):
+            self._append_token(seq, token, lp, now)
+            if seq.is_finished:
+                return
+        if seq.spec is not None and seq.stats.spec is not None:
+            self.proposer(seq.stats.spec.method).commit(
+                seq.request_id, seq.token_ids, seq.num_tokens - num_before
+            )
+
     # ---- internals ---------------------------------------------------------------------------
 
-    def _forward_item(self, s: ScheduledSequence) -> ForwardItem:
+    def _forward_item(self, s: ScheduledSequence, draft: list[int]) -> ForwardItem:
         seq = s.seq
         start = seq.num_computed_tokens
-        return ForwardItem(seq.token_ids[start : start + s.num_tokens], start, seq.block_table, int(s.samples))
+        tokens = seq.token_ids[start : start + s.num_tokens] + draft
+        return ForwardItem(tokens, start, seq.block_table, (1 + len(draft)) if s.samples else 0)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, extra: Seq[int]) -> SamplingRow:
         p = seq.params
         suppress: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + len(extra) < p.min_tokens:
             suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
-        return SamplingRow(p, seq.token_ids, seq.num_prompt_tokens, seq.generator, suppress)
+        history = [*seq.token_ids, *extra] if extra else seq.token_ids
+        return SamplingRow(p, history, seq.num_prompt_tokens, seq.generator, suppress)
 
-    def _append_token(self, seq: Sequence, token: int, lp: object, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> None:
         seq.token_ids.append(token)
         seq.pending_token_ids.append(token)
         if lp is not None:
-            seq.pending_logprobs.append(lp)  # type: ignore[arg-type]
+            seq.pending_logprobs.append(lp)
         stats = seq.stats
         stats.num_output_tokens = seq.num_output_tokens
+        stats.token_times.append(now)
         if stats.first_token_time is None:
             stats.first_token_time = now
         stats.last_token_time = now
         p = seq.params
-        stop_string = seq.detokenizer.append(token) if seq.detokenizer is not None else None
-        if seq.num_output_tokens >= p.min_tokens:
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        stop_string = seq.detokenizer.append(token, may_stop) if seq.detokenizer is not None else None
+        if may_stop:
             if token in p.stop_token_ids:
                 self._finish(seq, "stop", token)
                 return
@@ -197,6 +344,8 @@ class Engine:
         seq.stop_reason = stop_reason
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
+        if seq.stats.spec is not None:
+            self.proposer(seq.stats.spec.method).finish(seq.request_id, seq.token_ids)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SequenceStatus.FINISHED
@@ -209,7 +358,7 @@ class Engine:
             new_text=text,
             finished=finished,
             finish_reason=seq.finish_reason,
-            stats=dataclasses.replace(seq.stats),  # a snapshot: the caller may read it on another thread
+            stats=seq.stats.snapshot(),  # the caller may read it on another thread
             stop_reason=seq.stop_reason,
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
         )

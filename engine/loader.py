@@ -91,7 +91,7 @@ def _converted_checkpoint(source: ModelSource, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"gguf_file": source.gguf_file, "local_files_only": True}
     # float32 keeps the dequantized weights exact whatever dtype is served later.
-    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
     # The GGUF loader already dequantized every weight to a dense tensor; what stays marked as
     # "quantized" is bookkeeping that would stop save_pretrained, so drop it.
@@ -112,15 +112,17 @@ def _converted_checkpoint(source: ModelSource, cache_dir: Path) -> Path:
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: str, cache_dir: str | None
-) -> tuple[torch.nn.Module, Any]:
+) -> tuple[Any, Any]:
+    """The model (a transformers PreTrainedModel on `device`, in eval mode) and its tokenizer."""
     register()
-    directory, kwargs = source.directory, {"local_files_only": True}
+    directory = source.directory
+    kwargs: dict[str, Any] = {"local_files_only": True}
     if source.gguf_file is not None:
         if cache_dir is not None:
             directory = _converted_checkpoint(source, Path(cache_dir))
         else:
             kwargs["gguf_file"] = source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **kwargs
     )
     model.to(device).eval()

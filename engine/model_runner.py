@@ -42,7 +42,9 @@ class ModelRunner:
             if packing_supported(config.torch_dtype):
                 pack_linears(self.model)
             else:
-                logger.warning("oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype)
+                logger.warning(
+                    "oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype
+                )
         text_config = self.model.config.get_text_config()
         num_layers = text_config.num_hidden_layers
         heads = text_config.num_attention_heads
@@ -71,8 +73,13 @@ class ModelRunner:
         self.max_model_len = min(limits)
         logger.info(
             "loaded %s (%s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
-            self.source.name, config.dtype, config.device, num_blocks, block_size,
-            self.kv_cache.nbytes / 2**20, self.max_model_len,
+            self.source.name,
+            config.dtype,
+            config.device,
+            num_blocks,
+            block_size,
+            self.kv_cache.nbytes / 2**20,
+            self.max_model_len,
         )
 
     def _slots(self, block_table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
@@ -80,7 +87,9 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[positions // bs] * bs + positions % bs
 
-    def _prepare(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(
+        self, items: Sequence[ForwardItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         short = [i for i, it in enumerate(items) if len(it.token_ids) <= SHORT_MAX_TOKENS]
         long = [i for i, it in enumerate(items) if len(it.token_ids) > SHORT_MAX_TOKENS]
         trash = self.kv_cache.trash_slot
@@ -101,9 +110,13 @@ class ModelRunner:
                 ids.extend([it.token_ids[-1]] * (t - n))
                 q_pos = torch.arange(it.start, it.start + t).clamp_(max=it.start + n - 1)
                 pos_parts.append(q_pos)
-                slot_parts.append(torch.cat([self._slots(it.block_table, q_pos[:n]), torch.full((t - n,), trash)]))
+                slot_parts.append(
+                    torch.cat([self._slots(it.block_table, q_pos[:n]), torch.full((t - n,), trash)])
+                )
                 ctx = it.start + n
-                kv_rows.append(torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)]))
+                kv_rows.append(
+                    torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)])
+                )
                 q_pos_rows.append(q_pos)
                 base = len(ids) - t
                 logit_rows[i] = range(base + n - it.num_logits, base + n)
@@ -124,14 +137,20 @@ class ModelRunner:
             ctx = it.start + n
             mask = torch.arange(ctx).view(1, ctx) <= q_pos.view(n, 1)  # [n, ctx]
             meta.long_chunks.append(
-                LongChunk(start_tok, start_tok + n, self._slots(it.block_table, torch.arange(ctx)).to(self.device),
-                          mask.to(self.device))
+                LongChunk(
+                    start_tok,
+                    start_tok + n,
+                    self._slots(it.block_table, torch.arange(ctx)).to(self.device),
+                    mask.to(self.device),
+                )
             )
             logit_rows[i] = range(start_tok + n - it.num_logits, start_tok + n)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, num_tokens]
         positions = torch.cat(pos_parts).unsqueeze(0).to(self.device)  # [1, num_tokens]
-        logit_index = torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device)
+        logit_index = torch.tensor(
+            [r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device
+        )
         return input_ids, positions, logit_index, meta
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -11,6 +11,41 @@ class TokenLogprob:
     logprob: float
     # The most likely tokens at this position, best first: (token_id, logprob).
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Per-request speculation counters, named as in vLLM's spec-decode metrics."""
+
+    method: str
+    num_spec_steps: int = 0  # verification steps with at least one drafted token
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    per_step_drafted: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step, the recovered or bonus token included."""
+        if not self.num_spec_steps:
+            return 0.0
+        return (self.num_accepted_draft_tokens + self.num_spec_steps) / self.num_spec_steps
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += accepted
+        if len(self.acceptance_histogram) < drafted:
+            self.acceptance_histogram.extend([0] * (drafted - len(self.acceptance_histogram)))
+        for i in range(accepted):
+            self.acceptance_histogram[i] += 1
+        self.per_step_drafted.append(drafted)
+        self.per_step_accepted.append(accepted)
 
 
 @dataclass(slots=True)
@@ -27,6 +62,20 @@ class RequestStats:
     num_steps: int = 0  # forward passes this request took part in
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # when each output token was emitted
+    spec: SpecStats | None = None
+
+    def snapshot(self) -> RequestStats:
+        """A copy the caller may keep while the engine goes on updating the original."""
+        spec = None
+        if self.spec is not None:
+            spec = replace(
+                self.spec,
+                acceptance_histogram=list(self.spec.acceptance_histogram),
+                per_step_drafted=list(self.spec.per_step_drafted),
+                per_step_accepted=list(self.spec.per_step_accepted),
+            )
+        return replace(self, token_times=list(self.token_times), spec=spec)
 
     @property
     def queue_time(self) -> float | None:

@@ -54,7 +54,9 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = ranks >= top_k.unsqueeze(1)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the tokens ranked above it already cover top_p; the best is always kept.
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    # Rows at top_p = 1 skip this: in float32 the cumulative sum reaches 1.0 before the tail.
+    covered = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop |= covered & (top_p < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -69,7 +71,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     for i, row in enumerate(rows):
         if row.suppress_token_ids:
             logits[i, list(row.suppress_token_ids)] = float("-inf")
-    n, vocab = logits.shape
+    vocab = logits.shape[-1]
     device = logits.device
     temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
     if any(t != 1.0 for t in temps):

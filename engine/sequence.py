@@ -10,6 +10,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestStats, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.spec.controller import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -28,6 +29,7 @@ class Sequence:
     generator: torch.Generator | None
     stats: RequestStats
     detokenizer: IncrementalDetokenizer | None = None
+    spec: SpecState | None = None  # None: this request never speculates
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose keys and values are in the KV cache; the rest are scheduled in later steps.
     num_computed_tokens: int = 0

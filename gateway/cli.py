@@ -29,7 +29,9 @@ def _quiet_transformers() -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -33,7 +33,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def _bytes_to_unicode() -> list[str]:
     # GPT-2's reversible byte -> printable character table, in byte order.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -77,6 +79,29 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with noise on every weight: a draft model that is often, not always, right."""
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.15 * p.std())
+    return _save_tiny(tmp_path_factory.mktemp("tiny-draft"), model)
+
+
+@pytest.fixture(scope="session")
+def tiny_fixed_point_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose attention output is zeroed: each token determines the next, so greedy output
+    soon settles into a repeating pattern, which n-gram and suffix drafts then predict."""
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs()))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return _save_tiny(tmp_path_factory.mktemp("tiny-fixed-point"), model)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(1)
     model = Qwen2ForCausalLM(Qwen2Config(**tiny_config_kwargs(), use_sliding_window=False))
@@ -88,7 +113,9 @@ def make_engine(tiny_llama_dir: Path) -> Callable[..., Engine]:
     """Build an fp32 CPU engine on the tiny Llama (or `model=` another directory)."""
 
     def make(**overrides: object) -> Engine:
-        kwargs: dict = dict(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_blocks=256)
+        kwargs: dict = dict(
+            model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_blocks=256
+        )
         kwargs.update(overrides)
         return Engine(EngineConfig(**kwargs))
 

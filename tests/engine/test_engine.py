@@ -144,7 +144,9 @@ def test_max_tokens_and_context_limit(make_engine: Callable[..., Engine]) -> Non
         engine.add_request("e", [1, 2], SamplingParams())
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(make_engine: Callable[..., Engine]) -> None:
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(
+    make_engine: Callable[..., Engine],
+) -> None:
     p = prompts([12])[0]
     params = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
 
@@ -190,7 +192,11 @@ def test_stop_string_cuts_text_exactly(make_engine: Callable[..., Engine], tiny_
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
 
     engine.add_request(
-        "t", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+        "t",
+        p,
+        SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
     )
     outs = run_to_completion(engine)["t"]
     assert "".join(o.new_text for o in outs) == full_text[: cut + len(stop)]

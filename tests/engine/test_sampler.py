@@ -261,7 +261,10 @@ def test_suppressed_tokens_are_never_sampled() -> None:
 def test_process_logits_does_not_modify_its_input() -> None:
     logits = torch.randn(2, VOCAB, generator=gen(6))
     before = logits.clone()
-    rows = [row([1, 2, 3], num_prompt_tokens=1, repetition_penalty=1.3, frequency_penalty=1.0, top_k=5), row()]
+    rows = [
+        row([1, 2, 3], num_prompt_tokens=1, repetition_penalty=1.3, frequency_penalty=1.0, top_k=5),
+        row(),
+    ]
     process_logits(logits, rows)
     assert torch.equal(logits, before)
 
@@ -298,7 +301,8 @@ def test_rows_are_processed_independently() -> None:
     assert torch.equal(reversed_out.flip(0), batched)
 
 
-def test_untruncated_row_keeps_every_token_next_to_a_top_k_row() -> None:
+@pytest.mark.parametrize("neighbour", [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.99)])
+def test_untruncated_row_keeps_every_token_next_to_a_truncating_row(neighbour: dict) -> None:
     """A row with top_k=0, top_p=1, min_p=0 asks for no truncation, whatever else is in the batch.
 
     With a realistic vocabulary the float32 cumulative sum of the sorted probabilities reaches 1.0
@@ -310,11 +314,14 @@ def test_untruncated_row_keeps_every_token_next_to_a_top_k_row() -> None:
     plain = row()
     alone = process_logits(logits, [plain])[0]
     assert torch.isfinite(alone).all()
-    batched = process_logits(logits.repeat(2, 1), [plain, row(top_k=5)])
-    assert kept(batched[1]) == set(logits[0].topk(5).indices.tolist())
+    batched = process_logits(logits.repeat(2, 1), [plain, row(**neighbour)])
+    assert torch.equal(batched[1], process_logits(logits, [row(**neighbour)])[0])
+    assert len(kept(batched[1])) < vocab
     lost = ~torch.isfinite(batched[0])
     lost_mass = float(logits[0].softmax(-1)[lost].sum())
-    assert not lost.any(), f"{int(lost.sum())} tokens (mass {lost_mass:.2e}) masked by the neighbour's top-k"
+    assert not lost.any(), (
+        f"{int(lost.sum())} tokens (mass {lost_mass:.2e}) masked by the neighbour's truncation"
+    )
     assert torch.equal(batched[0], alone)
 
 
@@ -326,7 +333,9 @@ def test_seeded_rows_sample_the_same_tokens_whatever_shares_the_batch() -> None:
         out: list[int] = []
         for step in range(30):
             n_others = n_before + n_after
-            others = [row(temperature=0.8, top_k=7, min_p=0.05, generator=gen(step + j)) for j in range(n_others)]
+            others = [
+                row(temperature=0.8, top_k=7, min_p=0.05, generator=gen(step + j)) for j in range(n_others)
+            ]
             rows = [*others[:n_before], row(temperature=0.9, generator=g), *others[n_before:]]
             other_logits = torch.randn(n_others, VOCAB, generator=gen(100 + step)) * 3
             logits = torch.cat([other_logits[:n_before], target_logits, other_logits[n_before:]])
@@ -386,15 +395,15 @@ def _renormalised(probs: list[float]) -> list[float]:
     ("params", "target"),
     [
         (dict(temperature=1.0), _DIST),
-        (dict(temperature=1.0, top_k=3), _renormalised(_DIST[:3]) + [0.0, 0.0]),
+        (dict(temperature=1.0, top_k=3), [*_renormalised(_DIST[:3]), 0.0, 0.0]),
         # Exclusive cumulative masses: 0, 0.4, 0.65, 0.85, 0.95 -> top_p=0.6 keeps two tokens.
-        (dict(temperature=1.0, top_p=0.6), _renormalised(_DIST[:2]) + [0.0, 0.0, 0.0]),
-        (dict(temperature=1.0, top_k=4, top_p=0.9), _renormalised(_DIST[:4]) + [0.0]),
+        (dict(temperature=1.0, top_p=0.6), [*_renormalised(_DIST[:2]), 0.0, 0.0, 0.0]),
+        (dict(temperature=1.0, top_k=4, top_p=0.9), [*_renormalised(_DIST[:4]), 0.0]),
         # softmax(log(p) / 0.5) is proportional to p**2.
         (dict(temperature=0.5), _renormalised([p**2 for p in _DIST])),
         (dict(temperature=2.0), _renormalised([p**0.5 for p in _DIST])),
         # min_p=0.3: threshold 0.12, so 0.1 and 0.05 go.
-        (dict(temperature=1.0, min_p=0.3), _renormalised(_DIST[:3]) + [0.0, 0.0]),
+        (dict(temperature=1.0, min_p=0.3), [*_renormalised(_DIST[:3]), 0.0, 0.0]),
     ],
 )
 def test_sampling_converges_to_the_processed_distribution(params: dict, target: list[float]) -> None:

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the rejection sampler and draft-length controllers."""

@@ -1,0 +1,85 @@
+"""The one Proposer protocol every drafting method implements, and the registry that builds them.
+
+The engine never dispatches on a proposer's type or name beyond a registry lookup: it asks the
+proposer for drafts, tells it what was committed, and when a request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.sampler import SamplingRow
+
+
+@dataclass(slots=True)
+class ProposalRequest:
+    request_id: str
+    token_ids: Sequence[int]  # prompt + committed output
+    num_prompt_tokens: int
+    k: int  # draft at most this many tokens
+    row: SamplingRow  # sampling state, for proposers that sample from a distribution
+
+
+@dataclass(slots=True)
+class Proposal:
+    token_ids: list[int]
+    # Draft distributions [len(token_ids), vocab] after the request's logits processing, or None
+    # for a deterministic proposer (a point mass on each drafted token).
+    probs: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ProposerContext:
+    """What a proposer may need from the engine that builds it."""
+
+    vocab_size: int
+    device: torch.device
+    dtype: str
+    tokenizer: Any
+    options: dict[str, Any]  # EngineConfig.proposer_options[name]
+
+
+class Proposer(Protocol):
+    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """A request that will use this proposer was admitted with these prompt tokens."""
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        """Draft up to `k` tokens for each request (fewer, or none, is fine)."""
+        ...
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
+        """The last `num_new` of `token_ids` were committed (verified) for the request."""
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request ended; release its state (a proposer may keep what it learned)."""
+
+
+ProposerFactory = Callable[[ProposerContext], Proposer]
+_REGISTRY: dict[str, ProposerFactory] = {}
+
+
+def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    def deco(factory: ProposerFactory) -> ProposerFactory:
+        if name in _REGISTRY or name == "off":
+            raise ValueError(f"proposer {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def proposer_factory(name: str) -> ProposerFactory:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown speculation method {name!r}; known: off, {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def proposer_names() -> list[str]:
+    return sorted(_REGISTRY)

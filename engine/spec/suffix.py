@@ -1,0 +1,105 @@
+"""SuffixDecoding-style proposer (arXiv 2411.04975).
+
+Two suffix tries answer each draft request: one per request over its prompt and output, and one
+shared, bounded cache of recent requests' outputs (agentic and templated workloads repeat
+themselves across requests). The candidate with the higher expected acceptance wins; draft length
+grows with the match length.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.spec.proposer import Proposal, ProposalRequest, ProposerContext, register_proposer
+from engine.spec.suffix_tree import Node, SuffixTree, draft_from
+
+
+@dataclass(slots=True)
+class _Local:
+    tree: SuffixTree
+    active: list[Node]
+    num_indexed: int
+
+
+class SuffixProposer:
+    def __init__(self, ctx: ProposerContext) -> None:
+        opts = ctx.options
+        self.max_depth = int(opts.get("max_depth", 32))
+        # Matching at most half the depth leaves the other half of each path for the draft.
+        self.max_match = int(opts.get("max_match", self.max_depth // 2))
+        self.max_spec_factor = float(opts.get("max_spec_factor", 1.0))
+        self.min_token_prob = float(opts.get("min_token_prob", 0.1))
+        self.max_cached_tokens = int(opts.get("max_cached_tokens", 20_000))
+        self._local: dict[str, _Local] = {}
+        self._global = SuffixTree(self.max_depth)
+        self._cached: deque[tuple[int, ...]] = deque()
+        self._cached_tokens = 0
+        # The global cache may be fed or read from outside the engine loop (e.g. warm-up).
+        self._lock = threading.Lock()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
+        tree = SuffixTree(self.max_depth)
+        self._local[request_id] = _Local(tree, tree.add(token_ids), len(token_ids))
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
+        local = self._local.get(request_id)
+        if local is None:
+            return
+        for t in token_ids[local.num_indexed :]:
+            local.active = local.tree.append(local.active, t)
+        local.num_indexed = len(token_ids)
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+        local = self._local.pop(request_id, None)
+        if local is None:
+            return
+        self.cache(token_ids[-self.max_cached_tokens :])
+
+    def cache(self, tokens: Sequence[int]) -> None:
+        """Add a sequence to the shared cache, evicting the oldest beyond the token bound."""
+        seq = tuple(tokens)
+        if not seq:
+            return
+        with self._lock:
+            self._global.add(seq)
+            self._cached.append(seq)
+            self._cached_tokens += len(seq)
+            while self._cached_tokens > self.max_cached_tokens:
+                old = self._cached.popleft()
+                self._global.remove(old)
+                self._cached_tokens -= len(old)
+
+    def _candidate(self, tree: SuffixTree, context: Sequence[int], k: int) -> tuple[list[int], float]:
+        found = tree.match(context, self.max_match)
+        if found is None:
+            return [], 0.0
+        node, length = found
+        limit = min(k, max(1, math.ceil(self.max_spec_factor * length)))
+        return draft_from(node, limit, self.min_token_prob)
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        out: list[Proposal] = []
+        for r in requests:
+            context = r.token_ids[-self.max_depth :]
+            local = self._local.get(r.request_id)
+            best: tuple[list[int], float] = ([], 0.0)
+            if local is not None:
+                self.commit(r.request_id, r.token_ids, 0)
+                best = self._candidate(local.tree, context, r.k)
+            with self._lock:
+                shared = self._candidate(self._global, context, r.k)
+            if shared[1] > best[1]:
+                best = shared
+            out.append(Proposal(best[0]))
+        return out
+
+
+register_proposer("suffix")(SuffixProposer)

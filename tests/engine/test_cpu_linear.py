@@ -1,0 +1,55 @@
+"""oneDNN-prepacked linears: same math as nn.Linear, used for bf16 serving on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from engine.cpu_linear import PackedLinear, pack_linears, packing_supported
+from engine.engine import Engine
+from engine.model_runner import ForwardItem
+
+pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="oneDNN bf16 unavailable")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 50])
+def test_packed_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40, bias=bias).to(dtype)
+    x = torch.randn(1, rows, 48, dtype=dtype)
+    ref = torch.nn.functional.linear(
+        x.float(), linear.weight.float(), None if not bias else linear.bias.float()
+    )
+    got = PackedLinear(linear)(x)
+    assert got.shape == (1, rows, 40) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2 * ref.abs().max().item()
+    assert (got.float() - ref).abs().max().item() <= tol
+
+
+def test_pack_linears_replaces_every_linear() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    x = torch.randn(3, 8)
+    ref = model(x)
+    assert pack_linears(model) == 2
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert torch.allclose(model(x), ref, atol=1e-5)
+
+
+def test_bf16_engine_packs_by_default_and_tracks_unpacked_logits(make_engine: Callable[..., Engine]) -> None:
+    packed = make_engine(dtype="bfloat16")
+    plain = make_engine(dtype="bfloat16", pack_linears=False)
+    assert packed.config.pack_linears and any(
+        isinstance(m, PackedLinear) for m in packed.runner.model.modules()
+    )
+    assert not any(isinstance(m, PackedLinear) for m in plain.runner.model.modules())
+    prompt = list(range(5, 45))
+    logits = [e.runner.execute([ForwardItem(prompt, 0, list(range(10)), 3)]) for e in (packed, plain)]
+    assert logits[0].shape == (3, 96)
+    scale = logits[1].float().abs().max().item()
+    assert (logits[0].float() - logits[1].float()).abs().max().item() <= 0.05 * scale
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))

