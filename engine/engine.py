@@ -229,7 +229,8 @@ class Engine:
                 room,
             )
             assert seq.spec is not None and seq.stats.spec is not None
-            candidates.append(Candidate(seq.spec, seq.stats.spec.method, max(0, cap)))
+            method = seq.stats.spec.method
+            candidates.append(Candidate(seq.spec, method, self.proposer(method).autoregressive, max(0, cap)))
         scheduled_tokens = sum(s.num_tokens for s in batch)
         ks = choose_k(
             candidates,
@@ -247,9 +248,9 @@ class Engine:
                 )
                 by_method.setdefault(c.method, []).append((i, req))
         for method, reqs in by_method.items():
+            proposer = self.proposer(method)
             t0 = time.perf_counter()
-            proposals: list[Proposal] = self.proposer(method).propose([r for _, r in reqs])
-            drafted = 0
+            proposals: list[Proposal] = proposer.propose([r for _, r in reqs])
             for (i, req), prop in zip(reqs, proposals, strict=True):
                 seq = batch[i].seq
                 tokens = prop.token_ids[: req.k]
@@ -257,8 +258,8 @@ class Engine:
                     self.block_manager.allocate(seq, seq.num_tokens + len(tokens))
                     probs = prop.probs[: len(tokens)] if prop.probs is not None else None
                     drafts[i] = Proposal(tokens, probs)
-                    drafted += len(tokens)
-            self.cost_model.observe_draft(method, max(1, drafted), time.perf_counter() - t0)
+            steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
+            self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
         return drafts
 
     def _emit(

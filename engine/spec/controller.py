@@ -47,11 +47,31 @@ class SpecState:
 class Candidate:
     state: SpecState
     method: str
+    autoregressive: bool  # the proposer pays one drafting step per token, not one per call
     k_cap: int  # hard cap from max_tokens, context length and KV room
 
 
 def _clamp(k: int, c: Candidate) -> int:
     return max(0, min(k, c.k_cap, c.state.params.k_max))
+
+
+class _DraftCost:
+    """Drafting seconds of a step as tokens are added: lookups cost once per proposer per step,
+    autoregressive drafters once per token (an upper bound: requests draft in parallel)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.seconds = 0.0
+        self.called: set[str] = set()
+
+    def extra(self, c: Candidate) -> float:
+        if c.autoregressive:
+            return self.cost.draft_time(c.method)
+        return 0.0 if c.method in self.called else self.cost.draft_time(c.method)
+
+    def add(self, c: Candidate) -> None:
+        self.seconds += self.extra(c)
+        self.called.add(c.method)
 
 
 def choose_k(
@@ -71,27 +91,30 @@ def choose_k(
             ks[i] = _clamp(c.state.params.k_min, c)
             dynamic.append(i)
     total = num_tokens + sum(ks)
-    if total - num_tokens > budget:  # fixed-length controllers alone overflow: shrink evenly
+    if total - num_tokens > budget:  # fixed-length controllers alone overflow: shrink the longest
         for i in sorted(range(len(ks)), key=lambda j: -ks[j]):
             while total - num_tokens > budget and ks[i] > 0:
                 ks[i] -= 1
                 total -= 1
+    draft = _DraftCost(cost)
+    for c, k in zip(candidates, ks, strict=True):
+        for _ in range(k):
+            draft.add(c)
     expected = float(num_emitting) + sum(_gain(candidates[i].state, ks[i]) for i in dynamic)
-    draft_seconds = sum(cost.draft_time(c.method) * k for c, k in zip(candidates, ks, strict=True))
-    step = cost.forward_time(total) + draft_seconds
+    step = cost.forward_time(total) + draft.seconds
     heap = [(-_marginal(candidates[i].state, ks[i]), i) for i in dynamic if ks[i] < _clamp(64, candidates[i])]
     heapq.heapify(heap)
     while heap and total - num_tokens < budget:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
         c = candidates[i]
-        new_step = cost.forward_time(total + 1) + draft_seconds + cost.draft_time(c.method)
-        if (expected + gain) / new_step <= expected / step:
-            break  # the best remaining token does not pay; worse ones cannot either
+        new_step = cost.forward_time(total + 1) + draft.seconds + draft.extra(c)
+        if (expected + gain) * step <= expected * new_step:
+            continue  # this token does not pay; a cheaper one (another proposer) still might
         ks[i] += 1
         total += 1
         expected += gain
-        draft_seconds += cost.draft_time(c.method)
+        draft.add(c)
         step = new_step
         if ks[i] < _clamp(64, c):
             heapq.heappush(heap, (-_marginal(c.state, ks[i]), i))

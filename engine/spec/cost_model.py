@@ -20,7 +20,7 @@ class CostModel:
         self._samples: dict[int, deque[float]] = {}  # forward seconds by token bucket
         self._median: dict[int, float] = {}
         self._keys: list[int] = []
-        self._draft: dict[str, float] = {}  # EWMA seconds per drafted token, by proposer
+        self._draft: dict[str, float] = {}  # EWMA seconds per drafting step, by proposer
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -61,12 +61,15 @@ class CostModel:
         t_lo, t_hi = self._median[lo], self._median[hi]
         return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
 
-    def observe_draft(self, method: str, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0:
+    def observe_draft(self, method: str, steps: int, seconds: float) -> None:
+        """A propose call of `method` took `seconds` for `steps` sequential drafting steps (the
+        longest draft for an autoregressive proposer, 1 for a lookup)."""
+        if steps <= 0:
             return
-        per_token = seconds / num_tokens
+        per_step = seconds / steps
         old = self._draft.get(method)
-        self._draft[method] = per_token if old is None else old + _DRAFT_EWMA * (per_token - old)
+        self._draft[method] = per_step if old is None else old + _DRAFT_EWMA * (per_step - old)
 
     def draft_time(self, method: str) -> float:
+        """Seconds per drafting step of `method` (0 before it was measured)."""
         return self._draft.get(method, 0.0)

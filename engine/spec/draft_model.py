@@ -34,6 +34,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class DraftModelProposer:
+    autoregressive = True
+
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
         if not opts.get("model"):

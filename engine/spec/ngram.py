@@ -31,6 +31,8 @@ def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]
 
 
 class NgramProposer:
+    autoregressive = False
+
     def __init__(self, ctx: ProposerContext) -> None:
         self.min_n = int(ctx.options.get("min_n", 2))
         self.max_n = int(ctx.options.get("max_n", 4))

@@ -44,6 +44,10 @@ class ProposerContext:
 
 
 class Proposer(Protocol):
+    # True when each drafted token costs one more sequential step (a draft model, an EAGLE head);
+    # False when a draft of any length costs one lookup (n-gram, suffix index).
+    autoregressive: bool
+
     def start(self, request_id: str, token_ids: Sequence[int]) -> None:
         """A request that will use this proposer was admitted with these prompt tokens."""
 
@@ -52,7 +56,11 @@ class Proposer(Protocol):
         ...
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
-        """The last `num_new` of `token_ids` were committed (verified) for the request."""
+        """The last `num_new` of `token_ids` were committed (verified) for the request.
+
+        A feature-level drafter (EAGLE) will also need the target's hidden states at these
+        positions; the model runner can return them beside the logits when a proposer asks.
+        """
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request ended; release its state (a proposer may keep what it learned)."""

@@ -26,12 +26,14 @@ class _Local:
 
 
 class SuffixProposer:
+    autoregressive = False
+
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
         self.max_depth = int(opts.get("max_depth", 32))
         # Matching at most half the depth leaves the other half of each path for the draft.
         self.max_match = int(opts.get("max_match", self.max_depth // 2))
-        self.max_spec_factor = float(opts.get("max_spec_factor", 1.0))
+        self.max_spec_factor = float(opts.get("max_spec_factor", 2.0))
         self.min_token_prob = float(opts.get("min_token_prob", 0.1))
         self.max_cached_tokens = int(opts.get("max_cached_tokens", 20_000))
         self._local: dict[str, _Local] = {}

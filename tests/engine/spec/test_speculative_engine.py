@@ -24,7 +24,7 @@ class FixedCosts(CostModel):
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, method: str, num_tokens: int, seconds: float) -> None:
+    def observe_draft(self, method: str, steps: int, seconds: float) -> None:
         pass
 
 
