@@ -11,8 +11,6 @@ llama.cpp sequential when llama-cpp-python is installed (`pip install llama-cpp-
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import os
 import sys
 import time
@@ -26,41 +24,12 @@ import transformers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.workloads import chat_prompts, round_robin  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import _cache_key, default_model_source  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from gateway.cli import default_cache_dir  # noqa: E402
-from gateway.prompting import render_chat  # noqa: E402
-
-CATEGORIES = [
-    "coding",
-    "summarization",
-    "qa",
-    "translation",
-    "math_reasoning",
-    "rag",
-    "writing",
-    "extraction",
-]
-
-
-def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[tuple[str, str, list[int]]]:
-    by_cat: dict[str, list[str]] = {}
-    for line in (ROOT / "bench" / "data" / "spec_bench_dev.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_cat.setdefault(row["category"], []).append(row["turns"][0])
-    out: list[tuple[str, str, list[int]]] = []
-    iters = {c: iter(by_cat[c]) for c in CATEGORIES}
-    for cat in itertools.cycle(CATEGORIES):
-        if len(out) == n:
-            break
-        for text in iters[cat]:
-            ids = render_chat(tokenizer, [{"role": "user", "content": text}])
-            if len(ids) <= max_prompt_tokens:
-                out.append((cat, text, ids))
-                break
-    return out
 
 
 def run_engine(
@@ -134,8 +103,9 @@ def main() -> None:
     engine = Engine(
         EngineConfig(dtype=args.dtype, convert_cache_dir=default_cache_dir(), num_threads=args.threads)
     )
-    prompts = load_prompts(engine.tokenizer, args.num_prompts, args.max_prompt_tokens)
-    ids = [p[2] for p in prompts]
+    # Categories alternate, so the first few prompts (the sequential rows) span several of them.
+    prompts = round_robin(chat_prompts(engine.tokenizer, 3, args.max_prompt_tokens))[: args.num_prompts]
+    ids = [p[1] for p in prompts]
     seq_ids = ids[: args.hf_prompts]
     cats = ", ".join(sorted({p[0] for p in prompts}))
     print(f"model {engine.model_name}, {args.dtype}, {args.threads} threads, {args.max_tokens} tokens/prompt")

@@ -16,6 +16,14 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+ROW_QUANTUM = 16
+
+
+def _padded_rows(rows: int) -> int:
+    """Row counts up to ROW_QUANTUM run as they are (decode, verification); larger ones round up."""
+    return rows if rows <= ROW_QUANTUM else -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+
+
 def packing_supported(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
@@ -37,7 +45,14 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.shape[-2]
+        padded = _padded_rows(rows)
+        if padded != rows:
+            # oneDNN builds (and caches) a kernel per row count; rounding prefill chunks up to a
+            # multiple of ROW_QUANTUM keeps the set of shapes, and first-use stalls, small.
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out[..., :rows, :] if padded != rows else out
 
 
 def pack_linears(model: nn.Module) -> int:

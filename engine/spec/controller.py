@@ -100,7 +100,8 @@ def choose_k(
     for c, k in zip(candidates, ks, strict=True):
         for _ in range(k):
             draft.add(c)
-    expected = float(num_emitting) + sum(_gain(candidates[i].state, ks[i]) for i in dynamic)
+    # Fixed-length drafts count too: their expected tokens set the goodput a new token must beat.
+    expected = float(num_emitting) + sum(_gain(c.state, k) for c, k in zip(candidates, ks, strict=True))
     step = cost.forward_time(total) + draft.seconds
     heap = [(-_marginal(candidates[i].state, ks[i]), i) for i in dynamic if ks[i] < _clamp(64, candidates[i])]
     heapq.heapify(heap)

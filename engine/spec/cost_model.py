@@ -47,9 +47,16 @@ class CostModel:
         if not self._keys:
             return 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - 1)
         key = self._bucket(num_tokens)
-        if key in self._median:
-            return self._median[key]
         i = bisect.bisect_left(self._keys, key)
+        if key in self._median:
+            if len(self._samples[key]) >= _TRUSTED or i == 0:
+                return self._median[key]
+            # One or two samples may be a one-off stall: trust them only up to twice what the
+            # smaller neighbour predicts.
+            lo = self._keys[i - 1]
+            return min(
+                self._median[key], 2 * self._median[lo] * (1 + PRIOR_MARGINAL_FRACTION * (num_tokens - lo))
+            )
         if i == 0:
             near = self._keys[0]
             return self._median[near] * max(0.5, 1.0 - PRIOR_MARGINAL_FRACTION * (near - num_tokens))

@@ -30,12 +30,15 @@ class SuffixProposer:
 
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
-        self.max_depth = int(opts.get("max_depth", 32))
+        self.max_depth = int(opts.get("max_depth", 24))
         # Matching at most half the depth leaves the other half of each path for the draft.
         self.max_match = int(opts.get("max_match", self.max_depth // 2))
         self.max_spec_factor = float(opts.get("max_spec_factor", 2.0))
         self.min_token_prob = float(opts.get("min_token_prob", 0.1))
         self.max_cached_tokens = int(opts.get("max_cached_tokens", 20_000))
+        # The per-request index covers at most this many trailing prompt tokens (memory and start-up
+        # time grow with tokens x depth).
+        self.max_prompt_tokens = int(opts.get("max_prompt_tokens", 4096))
         self._local: dict[str, _Local] = {}
         self._global = SuffixTree(self.max_depth)
         self._cached: deque[tuple[int, ...]] = deque()
@@ -49,7 +52,7 @@ class SuffixProposer:
 
     def start(self, request_id: str, token_ids: Sequence[int]) -> None:
         tree = SuffixTree(self.max_depth)
-        self._local[request_id] = _Local(tree, tree.add(token_ids), len(token_ids))
+        self._local[request_id] = _Local(tree, tree.add(token_ids[-self.max_prompt_tokens :]), len(token_ids))
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
         local = self._local.get(request_id)

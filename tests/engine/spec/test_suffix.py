@@ -38,7 +38,7 @@ def node_at(tree: SuffixTree, path: Sequence[int]) -> Node:
 
 
 def matched(tree: SuffixTree, ctx: Sequence[int], max_len: int) -> tuple[Node, int]:
-    found = matched(tree, ctx, max_len)
+    found = tree.match(ctx, max_len)
     assert found is not None
     return found
 
@@ -205,6 +205,16 @@ def test_request_tree_finds_repeats_within_the_prompt() -> None:
     assert propose_one(p, "r", out, k=3) == [21, 22, 23]
 
 
+def test_the_request_tree_indexes_only_the_prompt_tail() -> None:
+    p = SuffixProposer(context(max_prompt_tokens=6))
+    prompt = [1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 1, 2]
+    p.start("r", prompt)
+    assert propose_one(p, "r", prompt, k=3) == []  # the earlier [1, 2] lies outside the tail
+    # Output is indexed as usual and continues the tail's suffixes.
+    out = [*prompt, 45, 46]
+    assert propose_one(p, "r", out, k=3) == [1, 2, 45]
+
+
 def test_nothing_to_draft_without_a_repeat() -> None:
     p = SuffixProposer(context())
     p.start("r", [1, 2, 3, 4])
@@ -276,7 +286,7 @@ def test_concurrent_cache_and_propose_leave_a_consistent_tree() -> None:
     def feed(seed: int) -> None:
         rng = random.Random(seed)
         try:
-            for _ in range(150):
+            for _ in range(400):
                 p.cache([rng.randrange(6) for _ in range(rng.randrange(1, 20))])
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -287,14 +297,17 @@ def test_concurrent_cache_and_propose_leave_a_consistent_tree() -> None:
         threads = [threading.Thread(target=feed, args=(seed,)) for seed in range(4)]
         for t in threads:
             t.start()
+        num_proposals = 0
         while any(t.is_alive() for t in threads):
             for d in p.propose([request("main", prompt, k=4), request("other", [4, 5], k=4)]):
                 assert len(d.token_ids) <= 4
+            num_proposals += 1
         for t in threads:
             t.join()
     finally:
         sys.setswitchinterval(old_interval)
     assert errors == []
+    assert num_proposals > 0  # the main thread really read the cache while it was being fed
     cached = list(p._cached)
     assert p.cached_tokens == sum(map(len, cached)) <= 400
     assert dump(p._global) == dump(fresh(6, cached))

@@ -1,0 +1,156 @@
+"""Speculative decoding on the default model, by workload category, side by side in one run.
+
+    python bench/bench_spec.py [--per-category 3] [--max-tokens 128] [--quick]
+
+Batch 1, greedy, bfloat16 on CPU (the serving default). For each prompt every arm runs back to
+back, so machine noise hits all arms alike: the engine without speculation (plain), n-gram and
+suffix drafting with a static K and with the goodput (dynamic K) controller, and Hugging Face
+`generate` with prompt lookup (`prompt_lookup_num_tokens=10`). Reported: tokens/s per category
+and arm, the ratio to plain, and the mean accepted length (tokens per verification step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.workloads import CATEGORIES, chat_prompts  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.spec.params import SpecParams  # noqa: E402
+from gateway.cli import default_cache_dir  # noqa: E402
+
+ARMS: dict[str, SpecParams | None] = {
+    "plain": None,
+    "ngram K=4": SpecParams("ngram", controller="static", num_speculative_tokens=4),
+    "ngram dyn": SpecParams("ngram", controller="goodput", k_max=10),
+    "suffix K=4": SpecParams("suffix", controller="static", num_speculative_tokens=4),
+    "suffix dyn": SpecParams("suffix", controller="goodput", k_max=10),
+}
+HF_ARM = "HF prompt lookup"
+
+
+def run_engine(
+    engine: Engine, ids: list[int], spec: SpecParams | None, max_tokens: int
+) -> tuple[int, float, float]:
+    """(tokens, seconds, mean accepted length) of one request run alone."""
+    engine.add_request(
+        f"r{time.perf_counter_ns()}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec
+    )
+    tokens, last = 0, None
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            last = out
+    elapsed = time.perf_counter() - start
+    acc = last.stats.spec.mean_acceptance_length if last and last.stats.spec else 1.0
+    return tokens, elapsed, acc
+
+
+def run_hf(model, ids: list[int], max_tokens: int) -> tuple[int, float, float]:
+    x = torch.tensor([ids])
+    start = time.perf_counter()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        prompt_lookup_num_tokens=10,
+    )
+    return out.shape[1] - len(ids), time.perf_counter() - start, float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face prompt-lookup arm")
+    ap.add_argument("--quick", action="store_true", help="1 prompt per category, 64 tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.per_category, args.max_tokens = 1, 64
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    engine = Engine(
+        EngineConfig(dtype="bfloat16", convert_cache_dir=default_cache_dir(), num_threads=args.threads)
+    )
+    prompts = chat_prompts(engine.tokenizer, args.per_category, args.max_prompt_tokens)
+    arms = list(ARMS) + ([] if args.no_hf else [HF_ARM])
+    hf_model = None
+    if not args.no_hf:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            engine.runner.source.directory if engine.runner.source.gguf_file is None else _converted(engine),
+            dtype=torch.bfloat16,
+            attn_implementation="sdpa",
+            local_files_only=True,
+        ).eval()
+    # Warm-up: first calls pay one-off costs (allocations, kernel selection).
+    for spec in ARMS.values():
+        run_engine(engine, prompts[0][1][:64], spec, 8)
+    if hf_model is not None:
+        run_hf(hf_model, prompts[0][1][:64], 8)
+
+    tokens: dict[tuple[str, str], int] = defaultdict(int)
+    seconds: dict[tuple[str, str], float] = defaultdict(float)
+    accepted: dict[tuple[str, str], list[float]] = defaultdict(list)
+    print(
+        f"{len(prompts)} prompts x {len(arms)} arms, {args.max_tokens} max new tokens, greedy, bf16, batch 1"
+    )
+    for n, (cat, ids) in enumerate(prompts, 1):
+        for arm in arms:
+            if arm == HF_ARM:
+                t, s, a = run_hf(hf_model, ids, args.max_tokens)
+            else:
+                t, s, a = run_engine(engine, ids, ARMS[arm], args.max_tokens)
+            tokens[cat, arm] += t
+            seconds[cat, arm] += s
+            accepted[cat, arm].append(a)
+        print(
+            f"[{n}/{len(prompts)}] {cat}: "
+            + ", ".join(f"{arm} {tokens[cat, arm] / seconds[cat, arm]:.0f}" for arm in arms),
+            flush=True,
+        )
+
+    cats = [c for c in CATEGORIES if (c, "plain") in tokens]
+    print("\ntokens/s (ratio to plain) [mean accepted length]")
+    print("| category | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for cat in [*cats, "all"]:
+        keys = cats if cat == "all" else [cat]
+        plain = sum(tokens[c, "plain"] for c in keys) / sum(seconds[c, "plain"] for c in keys)
+        cells = []
+        for arm in arms:
+            rate = sum(tokens[c, arm] for c in keys) / sum(seconds[c, arm] for c in keys)
+            acc = [a for c in keys for a in accepted[c, arm]]
+            extra = f" [{sum(acc) / len(acc):.2f}]" if arm not in ("plain", HF_ARM) else ""
+            cells.append(f"{rate:.1f} ({rate / plain:.2f}x){extra}")
+        print(f"| {cat} | " + " | ".join(cells) + " |")
+
+
+def _converted(engine: Engine) -> Path:
+    from engine.loader import _cache_key
+
+    src = engine.runner.source
+    return Path(default_cache_dir()) / _cache_key(src.directory / (src.gguf_file or ""))
+
+
+if __name__ == "__main__":
+    main()
