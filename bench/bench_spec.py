@@ -3,7 +3,10 @@
     python bench/bench_spec.py [--per-category 3] [--max-tokens 128] [--quick]
 
 Batch 1, greedy, bfloat16 on CPU (the serving default). For each prompt every arm runs back to
-back, so machine noise hits all arms alike: the engine without speculation (plain), n-gram and
+back, so machine noise hits all arms alike. Each arm has its own engine, so what one arm learns
+(the suffix cache of earlier outputs, acceptance and cost estimates) never helps another; the
+suffix arms do learn from the earlier prompts of the run, as in serving. Arms: the engine without
+speculation (plain), n-gram and
 suffix drafting with a static K and with the goodput (dynamic K) controller, and Hugging Face
 `generate` with prompt lookup (`prompt_lookup_num_tokens=10`). Reported: tokens/s per category
 and arm, the ratio to plain, and the mean accepted length (tokens per verification step).
@@ -89,24 +92,30 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    engine = Engine(
-        EngineConfig(dtype="bfloat16", convert_cache_dir=default_cache_dir(), num_threads=args.threads)
-    )
-    prompts = chat_prompts(engine.tokenizer, args.per_category, args.max_prompt_tokens)
+    def make_engine() -> Engine:
+        config = EngineConfig(
+            dtype="bfloat16",
+            convert_cache_dir=default_cache_dir(),
+            num_threads=args.threads,
+            kv_cache_bytes=256 * 2**20,
+        )
+        return Engine(config)
+
+    engines = {arm: make_engine() for arm in ARMS}
+    first = next(iter(engines.values()))
+    prompts = chat_prompts(first.tokenizer, args.per_category, args.max_prompt_tokens)
     arms = list(ARMS) + ([] if args.no_hf else [HF_ARM])
     hf_model = None
     if not args.no_hf:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            engine.runner.source.directory if engine.runner.source.gguf_file is None else _converted(engine),
-            dtype=torch.bfloat16,
-            attn_implementation="sdpa",
-            local_files_only=True,
+            _converted(first), dtype=torch.bfloat16, attn_implementation="sdpa", local_files_only=True
         ).eval()
-    # Warm-up: first calls pay one-off costs (allocations, kernel selection).
-    for spec in ARMS.values():
-        run_engine(engine, prompts[0][1][:64], spec, 8)
+    # Warm-up on a text outside the benchmark: first calls pay one-off costs (allocations, kernels).
+    warm = first.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog. " * 4)
+    for arm, engine in engines.items():
+        run_engine(engine, warm, ARMS[arm], 8)
     if hf_model is not None:
-        run_hf(hf_model, prompts[0][1][:64], 8)
+        run_hf(hf_model, warm, 8)
 
     tokens: dict[tuple[str, str], int] = defaultdict(int)
     seconds: dict[tuple[str, str], float] = defaultdict(float)
@@ -119,7 +128,7 @@ def main() -> None:
             if arm == HF_ARM:
                 t, s, a = run_hf(hf_model, ids, args.max_tokens)
             else:
-                t, s, a = run_engine(engine, ids, ARMS[arm], args.max_tokens)
+                t, s, a = run_engine(engines[arm], ids, ARMS[arm], args.max_tokens)
             tokens[cat, arm] += t
             seconds[cat, arm] += s
             accepted[cat, arm].append(a)
@@ -146,10 +155,13 @@ def main() -> None:
 
 
 def _converted(engine: Engine) -> Path:
+    """The directory the engine loaded (the safetensors conversion of a GGUF default model)."""
+    src = engine.runner.source
+    if src.gguf_file is None:
+        return src.directory
     from engine.loader import _cache_key
 
-    src = engine.runner.source
-    return Path(default_cache_dir()) / _cache_key(src.directory / (src.gguf_file or ""))
+    return Path(default_cache_dir()) / _cache_key(src.directory / src.gguf_file)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ scheduled sequence: prefill chunks, plain decodes, and decodes that verify k dra
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -180,7 +181,9 @@ class Engine:
         items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [sum of num_logits, vocab]
-        self.cost_model.observe_forward(sum(len(it.token_ids) for it in items), time.perf_counter() - t0)
+        num_tokens = sum(len(it.token_ids) for it in items)
+        context = _mean_context((it.start, len(it.token_ids)) for it in items)
+        self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
         rows: list[SamplingRow] = []
         for s, d, sampled in zip(batch, drafts, samples, strict=True):
             if sampled:
@@ -238,6 +241,7 @@ class Engine:
             num_tokens=scheduled_tokens,
             budget=max(0, self.config.max_num_batched_tokens - scheduled_tokens),
             cost=self.cost_model,
+            context=_mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch),
         )
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         for i, c, k in zip(speculating, candidates, ks, strict=True):
@@ -365,3 +369,12 @@ class Engine:
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         return out
+
+
+def _mean_context(chunks: Iterable[tuple[int, int]]) -> float:
+    """Keys each new token attends to, on average, for (start, num_new_tokens) per sequence."""
+    tokens = work = 0
+    for start, n in chunks:
+        tokens += n
+        work += n * (start + n)
+    return work / tokens if tokens else 0.0

@@ -75,10 +75,16 @@ class _DraftCost:
 
 
 def choose_k(
-    candidates: Sequence[Candidate], num_emitting: int, num_tokens: int, budget: int, cost: CostModel
+    candidates: Sequence[Candidate],
+    num_emitting: int,
+    num_tokens: int,
+    budget: int,
+    cost: CostModel,
+    context: float = 0.0,
 ) -> list[int]:
-    """Draft lengths for `candidates` in a step that already computes `num_tokens` tokens and emits
-    `num_emitting` tokens; at most `budget` draft tokens in all."""
+    """Draft lengths for `candidates` in a step that already computes `num_tokens` tokens (each
+    attending to `context` keys on average) and emits `num_emitting` tokens; at most `budget`
+    draft tokens in all."""
     ks = [0] * len(candidates)
     dynamic: list[int] = []
     for i, c in enumerate(candidates):
@@ -102,14 +108,14 @@ def choose_k(
             draft.add(c)
     # Fixed-length drafts count too: their expected tokens set the goodput a new token must beat.
     expected = float(num_emitting) + sum(_gain(c.state, k) for c, k in zip(candidates, ks, strict=True))
-    step = cost.forward_time(total) + draft.seconds
+    step = cost.forward_time(total, context) + draft.seconds
     heap = [(-_marginal(candidates[i].state, ks[i]), i) for i in dynamic if ks[i] < _clamp(64, candidates[i])]
     heapq.heapify(heap)
     while heap and total - num_tokens < budget:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
         c = candidates[i]
-        new_step = cost.forward_time(total + 1) + draft.seconds + draft.extra(c)
+        new_step = cost.forward_time(total + 1, context) + draft.seconds + draft.extra(c)
         if (expected + gain) * step <= expected * new_step:
             continue  # this token does not pay; a cheaper one (another proposer) still might
         ks[i] += 1

@@ -1,4 +1,10 @@
-"""Online estimates of what a step costs: target forward time by batch size, draft time per token."""
+"""Online estimates of what a step costs: target forward time by batch shape, draft time per step.
+
+A forward pass costs more with more tokens and, for attention, with longer contexts: on CPU,
+verifying 5 tokens at a 1000-token context costs ~27% more than decoding one, at a 100-token
+context ~5%. So samples are kept per (context bucket, token bucket), where the context is the
+mean number of keys each new token attends to.
+"""
 
 from __future__ import annotations
 
@@ -9,64 +15,82 @@ from collections import deque
 # Until measured otherwise, each extra token in a forward pass is assumed to add this fraction of
 # a one-token step (decode is weight-bandwidth bound, so a few more rows cost little).
 PRIOR_MARGINAL_FRACTION = 0.03
-# Recent samples kept per batch-size bucket; the median shrugs off warm-up and stalls.
+# Recent samples kept per bucket; the median shrugs off warm-up and stalls.
 _WINDOW = 15
-_TRUSTED = 3  # samples before a bucket's median is used to interpolate its neighbours
+_TRUSTED = 3  # samples before a bucket's median is trusted beyond a sanity ceiling
 _DRAFT_EWMA = 0.2
+
+
+def _token_bucket(num_tokens: int) -> int:
+    return num_tokens if num_tokens <= 64 else 1 << (num_tokens - 1).bit_length()
+
+
+def _context_bucket(context: float) -> int:
+    """0 below 128 keys per token, then one bucket per doubling."""
+    return (int(context) >> 7).bit_length()
+
+
+class _Table:
+    """Forward seconds by token bucket, for one context bucket."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, deque[float]] = {}
+        self.median: dict[int, float] = {}
+        self.keys: list[int] = []
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        key = _token_bucket(num_tokens)
+        samples = self.samples.get(key)
+        if samples is None:
+            samples = self.samples[key] = deque(maxlen=_WINDOW)
+            bisect.insort(self.keys, key)
+        samples.append(seconds)
+        self.median[key] = statistics.median(samples)
+
+    def estimate(self, num_tokens: int) -> float:
+        """Measured where possible; between measured sizes interpolated; beyond them, or next to a
+        barely measured size (a lone warm-up pass would make k+1 look unaffordable forever),
+        extrapolated from the nearest smaller size with the prior marginal cost."""
+        key = _token_bucket(num_tokens)
+        i = bisect.bisect_left(self.keys, key)
+        if i == 0:
+            near = self.keys[0]
+            if key == near:
+                return self.median[key]
+            return self.median[near] * max(0.5, 1.0 - PRIOR_MARGINAL_FRACTION * (near - num_tokens))
+        lo = self.keys[i - 1]
+        extrapolated = self.median[lo] * (1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - lo))
+        if key in self.median:
+            if len(self.samples[key]) >= _TRUSTED:
+                return self.median[key]
+            return min(self.median[key], 2 * extrapolated)  # one or two samples may be a stall
+        if i == len(self.keys) or len(self.samples[self.keys[i]]) < _TRUSTED:
+            return extrapolated
+        hi = self.keys[i]
+        t_lo, t_hi = self.median[lo], self.median[hi]
+        return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
 
 
 class CostModel:
     def __init__(self) -> None:
-        self._samples: dict[int, deque[float]] = {}  # forward seconds by token bucket
-        self._median: dict[int, float] = {}
-        self._keys: list[int] = []
+        self._tables: dict[int, _Table] = {}
         self._draft: dict[str, float] = {}  # EWMA seconds per drafting step, by proposer
 
-    @staticmethod
-    def _bucket(num_tokens: int) -> int:
-        if num_tokens <= 64:
-            return num_tokens
-        return 1 << (num_tokens - 1).bit_length()  # powers of two above 64
+    def observe_forward(self, num_tokens: int, seconds: float, context: float = 0.0) -> None:
+        """A forward pass over `num_tokens` new tokens, each attending to `context` keys on average."""
+        bucket = _context_bucket(context)
+        table = self._tables.get(bucket)
+        if table is None:
+            table = self._tables[bucket] = _Table()
+        table.observe(num_tokens, seconds)
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        key = self._bucket(num_tokens)
-        samples = self._samples.get(key)
-        if samples is None:
-            samples = self._samples[key] = deque(maxlen=_WINDOW)
-            bisect.insort(self._keys, key)
-        samples.append(seconds)
-        self._median[key] = statistics.median(samples)
-
-    def forward_time(self, num_tokens: int) -> float:
-        """Seconds for a forward pass over `num_tokens` tokens; relative units before any data.
-
-        An unmeasured size is interpolated between measured neighbours, or extrapolated from the
-        nearest smaller one with the prior marginal cost when the larger neighbour has too few
-        samples to trust (a lone warm-up pass would otherwise make k+1 look unaffordable forever).
-        """
-        if not self._keys:
+    def forward_time(self, num_tokens: int, context: float = 0.0) -> float:
+        """Seconds for a forward pass; relative units before any data."""
+        if not self._tables:
             return 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - 1)
-        key = self._bucket(num_tokens)
-        i = bisect.bisect_left(self._keys, key)
-        if key in self._median:
-            if len(self._samples[key]) >= _TRUSTED or i == 0:
-                return self._median[key]
-            # One or two samples may be a one-off stall: trust them only up to twice what the
-            # smaller neighbour predicts.
-            lo = self._keys[i - 1]
-            return min(
-                self._median[key], 2 * self._median[lo] * (1 + PRIOR_MARGINAL_FRACTION * (num_tokens - lo))
-            )
-        if i == 0:
-            near = self._keys[0]
-            return self._median[near] * max(0.5, 1.0 - PRIOR_MARGINAL_FRACTION * (near - num_tokens))
-        lo = self._keys[i - 1]
-        extrapolated = self._median[lo] * (1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - lo))
-        if i == len(self._keys) or len(self._samples[self._keys[i]]) < _TRUSTED:
-            return extrapolated
-        hi = self._keys[i]
-        t_lo, t_hi = self._median[lo], self._median[hi]
-        return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+        bucket = _context_bucket(context)
+        nearest = min(self._tables, key=lambda b: (abs(b - bucket), -b))
+        return self._tables[nearest].estimate(num_tokens)
 
     def observe_draft(self, method: str, steps: int, seconds: float) -> None:
         """A propose call of `method` took `seconds` for `steps` sequential drafting steps (the

@@ -22,7 +22,7 @@ class FixedCosts(CostModel):
         self.forward = forward
         self.draft = draft
 
-    def forward_time(self, num_tokens: int) -> float:
+    def forward_time(self, num_tokens: int, context: float = 0.0) -> float:
         return self.forward(num_tokens)
 
     def draft_time(self, method: str) -> float:
@@ -332,3 +332,22 @@ def test_draft_time_is_an_ewma_per_step_and_per_method() -> None:
     cost.observe_draft("d", 0, 5.0)  # no steps: ignored
     assert cost.draft_time("d") == pytest.approx(0.14)
     assert cost.draft_time("other") == 0.0
+
+
+def test_cost_model_keeps_long_and_short_contexts_apart() -> None:
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_forward(1, 0.020, context=100)
+        cost.observe_forward(5, 0.021, context=100)
+        cost.observe_forward(1, 0.024, context=1000)
+        cost.observe_forward(5, 0.031, context=1000)
+    assert cost.forward_time(5, context=100) == pytest.approx(0.021)
+    assert cost.forward_time(5, context=1000) == pytest.approx(0.031)
+    # Verification looks dearer at a long context, so the same acceptance buys less k there.
+    state = SpecState(SpecParams(method="ngram", k_max=8, acceptance_prior=0.3))
+    cand = Candidate(state, "ngram", False, 8)
+    (k_short,) = choose_k([cand], 1, 1, 64, cost, context=100)
+    (k_long,) = choose_k([cand], 1, 1, 64, cost, context=1000)
+    assert k_short > k_long
+    # A context never measured borrows the nearest measured one.
+    assert cost.forward_time(1, context=5000) == pytest.approx(0.024)

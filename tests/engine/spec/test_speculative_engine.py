@@ -21,7 +21,7 @@ class FixedCosts(CostModel):
     """Costs as on a real model (an extra verified token adds 3% to a step, drafting is free),
     independent of this machine's timing."""
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+    def observe_forward(self, num_tokens: int, seconds: float, context: float = 0.0) -> None:
         pass
 
     def observe_draft(self, method: str, steps: int, seconds: float) -> None:
