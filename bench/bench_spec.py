@@ -9,7 +9,8 @@ suffix arms do learn from the earlier prompts of the run, as in serving. Arms: t
 speculation (plain), n-gram and
 suffix drafting with a static K and with the goodput (dynamic K) controller, and Hugging Face
 `generate` with prompt lookup (`prompt_lookup_num_tokens=10`). Reported: tokens/s per category
-and arm, the ratio to plain, and the mean accepted length (tokens per verification step).
+and arm, the ratio to plain, and the mean accepted length (tokens per verification step). A
+second table runs the same mixed prompts 4 and 16 at a time, where speculation must back off.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import transformers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workloads import CATEGORIES, chat_prompts  # noqa: E402
+from bench.workloads import CATEGORIES, chat_prompts, round_robin  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face prompt-lookup arm")
     ap.add_argument("--quick", action="store_true", help="1 prompt per category, 64 tokens")
+    ap.add_argument("--no-load", dest="load", action="store_false", help="skip the 4 / 16 concurrent table")
     args = ap.parse_args()
     if args.quick:
         args.per_category, args.max_tokens = 1, 64
@@ -152,6 +154,39 @@ def main() -> None:
             extra = f" [{sum(acc) / len(acc):.2f}]" if arm not in ("plain", HF_ARM) else ""
             cells.append(f"{rate:.1f} ({rate / plain:.2f}x){extra}")
         print(f"| {cat} | " + " | ".join(cells) + " |")
+
+    if args.load:
+        load_table(engines, prompts, args.max_tokens)
+
+
+LOAD_ARMS = ["plain", "ngram K=4", "ngram dyn", "suffix dyn"]
+
+
+def run_concurrent(
+    engine: Engine, prompts: list[list[int]], spec: SpecParams | None, max_tokens: int
+) -> float:
+    """Aggregate tokens/s with every prompt submitted at once."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"c{time.perf_counter_ns()}-{i}", ids, params, spec)
+    tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def load_table(engines: dict[str, Engine], prompts: list[tuple[str, list[int]]], max_tokens: int) -> None:
+    """Speculation under load: the same mixed prompts at several concurrencies."""
+    mixed = [ids for _, ids in round_robin(prompts)]
+    print("\naggregate tokens/s under load, mixed categories (ratio to plain)")
+    print("| concurrent | " + " | ".join(LOAD_ARMS) + " |")
+    print("|---|" + "---|" * len(LOAD_ARMS))
+    for n in (4, 16):
+        batch = (mixed * (n // len(mixed) + 1))[:n]
+        rates = {arm: run_concurrent(engines[arm], batch, ARMS[arm], max_tokens) for arm in LOAD_ARMS}
+        cells = [f"{rates[arm]:.1f} ({rates[arm] / rates['plain']:.2f}x)" for arm in LOAD_ARMS]
+        print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _converted(engine: Engine) -> Path:
