@@ -99,7 +99,7 @@ def main() -> None:
             dtype="bfloat16",
             convert_cache_dir=default_cache_dir(),
             num_threads=args.threads,
-            kv_cache_bytes=256 * 2**20,
+            kv_cache_bytes=2**30,  # room for 16 concurrent long prompts without preemption
         )
         return Engine(config)
 

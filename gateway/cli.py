@@ -68,7 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=max(1, max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    engine.add_request("cli", prompt_ids, params)
+    spec = None
+    if args.spec != "off":
+        from engine.spec.params import SpecParams
+
+        spec = SpecParams(method=args.spec, controller=args.spec_controller, k_max=args.k_max)
+    engine.add_request("cli", prompt_ids, params, spec)
     start = time.perf_counter()
     final = None
     while engine.has_unfinished():
@@ -81,9 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if final is not None:
         n = final.stats.num_output_tokens
-        sys.stderr.write(
-            f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={final.finish_reason}]\n"
-        )
+        line = f"{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={final.finish_reason}"
+        if final.stats.spec is not None:
+            st = final.stats.spec
+            line += (
+                f", {st.method}: {st.num_accepted_draft_tokens}/{st.num_draft_tokens} drafts accepted,"
+                f" {st.mean_acceptance_length:.2f} tokens per verification"
+            )
+        sys.stderr.write(f"[{line}]\n")
     return 0
 
 
@@ -101,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--spec", default="off", help="speculation method: off, ngram, suffix (default off)")
+    gen.add_argument("--spec-controller", default="goodput", choices=["goodput", "static", "heuristic"])
+    gen.add_argument("--k-max", type=int, default=8, help="longest draft")
     gen.set_defaults(func=cmd_generate)
     return parser
 

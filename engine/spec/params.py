@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CONTROLLERS = ("goodput", "static", "heuristic")
+
 
 @dataclass(slots=True)
 class SpecParams:
@@ -19,6 +21,8 @@ class SpecParams:
     acceptance_prior: float = 0.6
 
     def __post_init__(self) -> None:
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}; got {self.controller!r}")
         if not 0 <= self.k_min <= self.k_max <= 64:
             raise ValueError(f"need 0 <= k_min <= k_max <= 64, got k_min={self.k_min}, k_max={self.k_max}")
         if not 0 <= self.num_speculative_tokens <= 64:
