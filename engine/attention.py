@@ -5,8 +5,9 @@ layer, writes the step's new keys/values into the paged pool and attends over ea
 cached context. Per-step metadata (slots, masks) is built once by the model runner and reaches
 every layer through the model's forward kwargs.
 
-Sequences with few new tokens (decode, speculative verification) are padded to one length and
-served by a single batched SDPA call; long prefill chunks get one call each.
+Sequences with few new tokens (decode, speculative verification) share one batched SDPA call,
+padded to one length inside attention only, so the linear layers never compute padding rows;
+long prefill chunks get one call each.
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ class LongChunk:
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [num_tokens] where each packed token's key/value is stored
-    # Short group: the first num_short * short_len packed tokens, num_short rows of short_len.
+    # Short group: the first num_short_tokens packed tokens, from num_short sequences of at most
+    # short_len new tokens each. Only attention sees them padded to [num_short, short_len].
     num_short: int = 0
     short_len: int = 0
+    num_short_tokens: int = 0
+    short_q_index: torch.Tensor | None = None  # [num_short * short_len] packed row per padded query
+    short_out_index: torch.Tensor | None = None  # [num_short_tokens] padded position of each real one
     short_kv_slots: torch.Tensor | None = None  # [num_short, S] padded with the trash slot
     short_mask: torch.Tensor | None = None  # [num_short, 1, short_len, S]; None: attend to all
     long_chunks: list[LongChunk] = field(default_factory=list)
@@ -77,9 +82,14 @@ def paged_attention_forward(
         k, v = cache.gather(layer, meta.short_kv_slots.reshape(-1))  # [kv_heads, b * s, head_dim]
         k = k.view(-1, b, s, head_dim).transpose(0, 1)  # [b, kv_heads, s, head_dim]
         v = v.view(-1, b, s, head_dim).transpose(0, 1)
-        qs = q[:, : b * t].view(heads, b, t, head_dim).transpose(0, 1)  # [b, heads, t, head_dim]
+        # Equal-length rows (plain decode) need no index shuffles.
+        qs = q[:, : b * t] if meta.short_q_index is None else q.index_select(1, meta.short_q_index)
+        qs = qs.view(heads, b, t, head_dim).transpose(0, 1)  # [b, heads, t, head_dim]
         o = _sdpa(qs, k.to(q.dtype), v.to(q.dtype), meta.short_mask, scale)  # [b, heads, t, head_dim]
-        out[: b * t] = o.permute(0, 2, 1, 3).reshape(b * t, heads, head_dim)
+        o = o.permute(0, 2, 1, 3).reshape(b * t, heads, head_dim)
+        if meta.short_out_index is not None:
+            o = o.index_select(0, meta.short_out_index)  # [num_short_tokens, heads, head_dim]
+        out[: meta.num_short_tokens] = o
     for chunk in meta.long_chunks:
         k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
         qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]

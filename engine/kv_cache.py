@@ -18,7 +18,7 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # One extra slot at the end absorbs writes of padding tokens and backs padded key reads.
+        # One extra slot at the end backs the padded key reads of shorter sequences in a batch.
         self.num_slots = num_blocks * block_size + 1
         self.trash_slot = self.num_slots - 1
         # Layout [layer, kv_head, slot, head_dim]: gathering a sequence's slots yields the

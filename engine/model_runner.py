@@ -101,27 +101,34 @@ class ModelRunner:
         if short:
             t = max(len(items[i].token_ids) for i in short)
             s = max(items[i].start + len(items[i].token_ids) for i in short)
-            kv_rows, q_pos_rows = [], []
+            kv_rows, q_pos_rows, q_index_rows = [], [], []
+            ragged = any(len(items[i].token_ids) != t for i in short)
             for i in short:
                 it = items[i]
                 n = len(it.token_ids)
-                # Padding repeats the last real token at its position; its writes go to the trash slot.
+                base = len(ids)
                 ids.extend(it.token_ids)
-                ids.extend([it.token_ids[-1]] * (t - n))
-                q_pos = torch.arange(it.start, it.start + t).clamp_(max=it.start + n - 1)
+                q_pos = torch.arange(it.start, it.start + n)
                 pos_parts.append(q_pos)
-                slot_parts.append(
-                    torch.cat([self._slots(it.block_table, q_pos[:n]), torch.full((t - n,), trash)])
-                )
+                slot_parts.append(self._slots(it.block_table, q_pos))
                 ctx = it.start + n
                 kv_rows.append(
                     torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)])
                 )
-                q_pos_rows.append(q_pos)
-                base = len(ids) - t
+                # Inside attention, rows shorter than t are padded by repeating their last query.
+                q_pos_rows.append(torch.arange(it.start, it.start + t).clamp_(max=ctx - 1))
+                q_index_rows.append(torch.arange(base, base + t).clamp_(max=base + n - 1))
                 logit_rows[i] = range(base + n - it.num_logits, base + n)
             meta.num_short, meta.short_len = len(short), t
+            meta.num_short_tokens = len(ids)
             meta.short_kv_slots = torch.stack(kv_rows).to(self.device)  # [b, s]
+            if ragged:
+                q_index = torch.stack(q_index_rows)  # [b, t] packed row of each padded query
+                real = torch.arange(t).view(1, t) < torch.tensor(
+                    [len(items[i].token_ids) for i in short]
+                ).view(-1, 1)
+                meta.short_q_index = q_index.flatten().to(self.device)
+                meta.short_out_index = torch.nonzero(real.flatten()).flatten().to(self.device)
             if len(short) > 1 or t > 1:
                 q_pos_all = torch.stack(q_pos_rows)  # [b, t]
                 mask = torch.arange(s).view(1, 1, s) <= q_pos_all.unsqueeze(-1)  # [b, t, s]

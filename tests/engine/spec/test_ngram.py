@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from engine.sampler import SamplingRow
-from engine.sampling_params import SamplingParams
 from engine.spec.ngram import NgramProposer, ngram_draft
-from engine.spec.proposer import ProposalRequest, ProposerContext
+from tests.engine.spec.helpers import context, request
 
 
 def draft(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
     return ngram_draft(np.asarray(tokens, dtype=np.int64), k, min_n, max_n)
-
-
-def context(**options: Any) -> ProposerContext:
-    return ProposerContext(
-        vocab_size=96, device=torch.device("cpu"), dtype="float32", tokenizer=None, options=options
-    )
-
-
-def request(request_id: str, tokens: Sequence[int], k: int) -> ProposalRequest:
-    row = SamplingRow(SamplingParams(), list(tokens), len(tokens), None)
-    return ProposalRequest(request_id, list(tokens), len(tokens), k, row)
 
 
 def test_longest_n_is_preferred_over_a_more_recent_shorter_match() -> None:

@@ -6,16 +6,12 @@ import random
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import pytest
-import torch
 
-from engine.sampler import SamplingRow
-from engine.sampling_params import SamplingParams
-from engine.spec.proposer import ProposalRequest, ProposerContext
 from engine.spec.suffix import SuffixProposer
 from engine.spec.suffix_tree import Node, SuffixTree, draft_from
+from tests.engine.spec.helpers import context, request
 
 
 def paths(node: Node, prefix: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], int]]:
@@ -48,17 +44,6 @@ def fresh(max_depth: int, seqs: Sequence[Sequence[int]]) -> SuffixTree:
     for s in seqs:
         tree.add(s)
     return tree
-
-
-def context(**options: Any) -> ProposerContext:
-    return ProposerContext(
-        vocab_size=96, device=torch.device("cpu"), dtype="float32", tokenizer=None, options=options
-    )
-
-
-def request(request_id: str, tokens: Sequence[int], k: int) -> ProposalRequest:
-    row = SamplingRow(SamplingParams(), list(tokens), len(tokens), None)
-    return ProposalRequest(request_id, list(tokens), len(tokens), k, row)
 
 
 def propose_one(p: SuffixProposer, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
