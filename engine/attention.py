@@ -5,9 +5,9 @@ layer, writes the step's new keys/values into the paged pool and attends over ea
 cached context. Per-step metadata (slots, masks) is built once by the model runner and reaches
 every layer through the model's forward kwargs.
 
-Sequences with few new tokens (decode, speculative verification) share one batched SDPA call,
-padded to one length inside attention only, so the linear layers never compute padding rows;
-long prefill chunks get one call each.
+Sequences with few new tokens share batched SDPA calls: one for plain decodes (one query each),
+one for speculative verifications (k+1 queries, padded to the longest inside attention only, so
+neither the linear layers nor the decodes pay for padding). Long prefill chunks get one call each.
 """
 
 from __future__ import annotations
@@ -32,18 +32,26 @@ class LongChunk:
 
 
 @dataclass(slots=True)
+class BatchedGroup:
+    """Sequences with few new tokens each (decode, verification) served by one SDPA call.
+
+    Their packed rows are contiguous; only attention sees them padded to [b, t]."""
+
+    start: int  # first packed row of the group
+    num_tokens: int  # real rows
+    b: int
+    t: int
+    kv_slots: torch.Tensor  # [b, S] context slots, padded with the trash slot
+    mask: torch.Tensor | None  # [b, 1, t, S]; None: every query attends to its whole row
+    q_index: torch.Tensor | None = None  # [b * t] packed row of each padded query (ragged groups)
+    out_index: torch.Tensor | None = None  # [num_tokens] padded position of each real row
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [num_tokens] where each packed token's key/value is stored
-    # Short group: the first num_short_tokens packed tokens, from num_short sequences of at most
-    # short_len new tokens each. Only attention sees them padded to [num_short, short_len].
-    num_short: int = 0
-    short_len: int = 0
-    num_short_tokens: int = 0
-    short_q_index: torch.Tensor | None = None  # [num_short * short_len] packed row per padded query
-    short_out_index: torch.Tensor | None = None  # [num_short_tokens] padded position of each real one
-    short_kv_slots: torch.Tensor | None = None  # [num_short, S] padded with the trash slot
-    short_mask: torch.Tensor | None = None  # [num_short, 1, short_len, S]; None: attend to all
+    groups: list[BatchedGroup] = field(default_factory=list)
     long_chunks: list[LongChunk] = field(default_factory=list)
     compute_dtype: torch.dtype = torch.float32
 
@@ -75,21 +83,20 @@ def paged_attention_forward(
     # On CPU, fp32 SDPA is several times faster than bf16; on GPU this is the model dtype.
     q = query[0].to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
     out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
-    if meta.num_short:
-        b, t = meta.num_short, meta.short_len
-        assert meta.short_kv_slots is not None
-        s = meta.short_kv_slots.shape[1]
-        k, v = cache.gather(layer, meta.short_kv_slots.reshape(-1))  # [kv_heads, b * s, head_dim]
-        k = k.view(-1, b, s, head_dim).transpose(0, 1)  # [b, kv_heads, s, head_dim]
-        v = v.view(-1, b, s, head_dim).transpose(0, 1)
-        # Equal-length rows (plain decode) need no index shuffles.
-        qs = q[:, : b * t] if meta.short_q_index is None else q.index_select(1, meta.short_q_index)
-        qs = qs.view(heads, b, t, head_dim).transpose(0, 1)  # [b, heads, t, head_dim]
-        o = _sdpa(qs, k.to(q.dtype), v.to(q.dtype), meta.short_mask, scale)  # [b, heads, t, head_dim]
-        o = o.permute(0, 2, 1, 3).reshape(b * t, heads, head_dim)
-        if meta.short_out_index is not None:
-            o = o.index_select(0, meta.short_out_index)  # [num_short_tokens, heads, head_dim]
-        out[: meta.num_short_tokens] = o
+    for g in meta.groups:
+        k, v = cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, b * S, head_dim]
+        s = g.kv_slots.shape[1]
+        k = k.view(-1, g.b, s, head_dim).transpose(0, 1)  # [b, kv_heads, S, head_dim]
+        v = v.view(-1, g.b, s, head_dim).transpose(0, 1)
+        rows = q[:, g.start : g.start + g.num_tokens]  # [heads, num_tokens, head_dim]
+        if g.q_index is not None:
+            rows = q.index_select(1, g.q_index)  # [heads, b * t, head_dim]
+        qs = rows.reshape(heads, g.b, g.t, head_dim).transpose(0, 1)  # [b, heads, t, head_dim]
+        o = _sdpa(qs, k.to(q.dtype), v.to(q.dtype), g.mask, scale)  # [b, heads, t, head_dim]
+        o = o.permute(0, 2, 1, 3).reshape(g.b * g.t, heads, head_dim)
+        if g.out_index is not None:
+            o = o.index_select(0, g.out_index)  # [num_tokens, heads, head_dim]
+        out[g.start : g.start + g.num_tokens] = o
     for chunk in meta.long_chunks:
         k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
         qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]

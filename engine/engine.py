@@ -181,9 +181,6 @@ class Engine:
         items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
         t0 = time.perf_counter()
         logits = self.runner.execute(items)  # [sum of num_logits, vocab]
-        num_tokens = sum(len(it.token_ids) for it in items)
-        context = _mean_context((it.start, len(it.token_ids)) for it in items)
-        self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
         rows: list[SamplingRow] = []
         for s, d, sampled in zip(batch, drafts, samples, strict=True):
             if sampled:
@@ -204,6 +201,10 @@ class Engine:
                 block = slice(r, r + len(d.token_ids) + 1)
                 r = block.stop
                 self._emit(s.seq, d, logits[block], processed[block], rows[block], done)
+        # Sampling and verification scale with the verified tokens too, so they count as step cost.
+        num_tokens = sum(len(it.token_ids) for it in items)
+        context = _mean_context((it.start, len(it.token_ids)) for it in items)
+        self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
         for s in batch:
             seq = s.seq
             if seq.pending_token_ids or seq.is_finished:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, LongChunk
+from engine.attention import AttentionMetadata, BatchedGroup, LongChunk
 from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears, packing_supported
 from engine.kv_cache import KVCache
@@ -87,52 +87,61 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[positions // bs] * bs + positions % bs
 
+    def _batched_group(self, items: Sequence[ForwardItem], first_row: int, num_tokens: int) -> BatchedGroup:
+        b = len(items)
+        t = max(len(it.token_ids) for it in items)
+        s = max(it.start + len(it.token_ids) for it in items)
+        trash = self.kv_cache.trash_slot
+        kv_rows, q_pos_rows, q_index_rows = [], [], []
+        row = first_row
+        for it in items:
+            n = len(it.token_ids)
+            ctx = it.start + n
+            kv_rows.append(
+                torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)])
+            )
+            # A row shorter than t is padded by repeating its last query, which sees its whole context.
+            q_pos_rows.append(torch.arange(it.start, it.start + t).clamp_(max=ctx - 1))
+            q_index_rows.append(torch.arange(row, row + t).clamp_(max=row + n - 1))
+            row += n
+        group = BatchedGroup(first_row, num_tokens, b, t, torch.stack(kv_rows).to(self.device), None)
+        if b > 1 or t > 1:
+            q_pos = torch.stack(q_pos_rows)  # [b, t]
+            mask = torch.arange(s).view(1, 1, s) <= q_pos.unsqueeze(-1)  # [b, t, s]
+            group.mask = mask.unsqueeze(1).to(self.device)  # [b, 1, t, s]
+        if num_tokens != b * t:
+            lengths = torch.tensor([len(it.token_ids) for it in items]).view(b, 1)
+            real = torch.arange(t).view(1, t) < lengths  # [b, t]
+            group.q_index = torch.stack(q_index_rows).flatten().to(self.device)
+            group.out_index = torch.nonzero(real.flatten()).flatten().to(self.device)
+        return group
+
     def _prepare(
         self, items: Sequence[ForwardItem]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        short = [i for i, it in enumerate(items) if len(it.token_ids) <= SHORT_MAX_TOKENS]
+        decode = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
+        verify = [i for i, it in enumerate(items) if 1 < len(it.token_ids) <= SHORT_MAX_TOKENS]
         long = [i for i, it in enumerate(items) if len(it.token_ids) > SHORT_MAX_TOKENS]
-        trash = self.kv_cache.trash_slot
         ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
         logit_rows: list[range] = [range(0)] * len(items)  # packed rows whose logits each item wants
         meta = AttentionMetadata(self.kv_cache, torch.empty(0), compute_dtype=self.compute_dtype)
-        if short:
-            t = max(len(items[i].token_ids) for i in short)
-            s = max(items[i].start + len(items[i].token_ids) for i in short)
-            kv_rows, q_pos_rows, q_index_rows = [], [], []
-            ragged = any(len(items[i].token_ids) != t for i in short)
-            for i in short:
+        for group in (decode, verify):
+            if not group:
+                continue
+            first_row = len(ids)
+            for i in group:
                 it = items[i]
                 n = len(it.token_ids)
-                base = len(ids)
+                logit_rows[i] = range(len(ids) + n - it.num_logits, len(ids) + n)
                 ids.extend(it.token_ids)
                 q_pos = torch.arange(it.start, it.start + n)
                 pos_parts.append(q_pos)
                 slot_parts.append(self._slots(it.block_table, q_pos))
-                ctx = it.start + n
-                kv_rows.append(
-                    torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)])
-                )
-                # Inside attention, rows shorter than t are padded by repeating their last query.
-                q_pos_rows.append(torch.arange(it.start, it.start + t).clamp_(max=ctx - 1))
-                q_index_rows.append(torch.arange(base, base + t).clamp_(max=base + n - 1))
-                logit_rows[i] = range(base + n - it.num_logits, base + n)
-            meta.num_short, meta.short_len = len(short), t
-            meta.num_short_tokens = len(ids)
-            meta.short_kv_slots = torch.stack(kv_rows).to(self.device)  # [b, s]
-            if ragged:
-                q_index = torch.stack(q_index_rows)  # [b, t] packed row of each padded query
-                real = torch.arange(t).view(1, t) < torch.tensor(
-                    [len(items[i].token_ids) for i in short]
-                ).view(-1, 1)
-                meta.short_q_index = q_index.flatten().to(self.device)
-                meta.short_out_index = torch.nonzero(real.flatten()).flatten().to(self.device)
-            if len(short) > 1 or t > 1:
-                q_pos_all = torch.stack(q_pos_rows)  # [b, t]
-                mask = torch.arange(s).view(1, 1, s) <= q_pos_all.unsqueeze(-1)  # [b, t, s]
-                meta.short_mask = mask.unsqueeze(1).to(self.device)  # [b, 1, t, s]
+            meta.groups.append(
+                self._batched_group([items[i] for i in group], first_row, len(ids) - first_row)
+            )
         for i in long:
             it = items[i]
             n = len(it.token_ids)
