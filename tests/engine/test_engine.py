@@ -219,3 +219,18 @@ def test_logprobs_are_the_model_log_softmax(make_engine: Callable[..., Engine], 
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
         assert lp.top[0][0] == lp.token_id  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_engines_track_float32_logits(make_engine: Callable[..., Engine], dtype: str) -> None:
+    from engine.model_runner import ForwardItem
+
+    prompt = prompts([30], seed=8)[0]
+    ref = make_engine().runner.execute([ForwardItem(prompt, 0, list(range(8)), 4)])
+    half = make_engine(dtype=dtype)
+    assert next(half.runner.model.parameters()).dtype == getattr(torch, dtype)
+    got = half.runner.execute([ForwardItem(prompt, 0, list(range(8)), 4)]).float()
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    half.add_request("h", prompt, SamplingParams(max_tokens=6, **GREEDY))
+    assert len(tokens(run_to_completion(half)["h"])) == 6
