@@ -9,6 +9,7 @@ about a third. The math is the same bf16 GEMM; only the weight layout and kernel
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -33,16 +34,26 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """One or more same-input nn.Linear layers as one prepacked oneDNN GEMM (outputs concatenated)."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach()
+        self.in_features = linears[0].in_features
+        self.splits = [lin.out_features for lin in linears]
+        self.out_features = sum(self.splits)
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # [out_features, in_features]
         # The batch-size hint only tunes the layout; results are correct for any number of rows.
         self.register_buffer(
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False
         )
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias: nn.Parameter | None = None
+        if any(lin.bias is not None for lin in linears):
+            parts = [
+                lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                for lin in linears
+            ]
+            self.bias = nn.Parameter(torch.cat(parts), requires_grad=False)
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (input, its version, output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[-2]
@@ -54,13 +65,64 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return out[..., :rows, :] if padded != rows else out
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), computed once for consecutive calls on the same, unmodified input."""
+        # Inference tensors keep no version counter; the engine never writes to them in place.
+        version = -1 if x.is_inference() else x._version
+        last = self._last
+        if last is not None and last[0] is x and last[1] == version:
+            return last[2]
+        out = self.forward(x)
+        self._last = (x, version, out)
+        return out
+
+
+class FusedSlice(nn.Module):
+    """Stands in for one of the linears fused into a PackedLinear: its slice of the shared output.
+
+    The model calls q_proj(h), k_proj(h), v_proj(h) (or gate_proj(x), up_proj(x)) in a row on the
+    same tensor; the first call runs the fused GEMM, the others reuse its output.
+    """
+
+    def __init__(self, fused: PackedLinear, index: int) -> None:
+        super().__init__()
+        self.start = sum(fused.splits[:index])
+        self.out_features = fused.splits[index]
+        self.in_features = fused.in_features
+        if index == 0:
+            self.fused = fused  # registered once, so the module tree holds each weight once
+        else:
+            object.__setattr__(self, "fused", fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.shared(x)[..., self.start : self.start + self.out_features]
+
+
+# Sibling projections that modern decoder blocks apply to the same input.
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` (on CPU) by a PackedLinear; return how many were replaced."""
+    """Replace the nn.Linear layers of `model` (on CPU) by packed ones, fusing same-input siblings;
+    return how many linears were replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for group in FUSE_GROUPS:
+            members = [getattr(parent, name, None) for name in group]
+            if not all(type(m) is nn.Linear for m in members):
+                continue
+            linears = [m for m in members if isinstance(m, nn.Linear)]
+            if len({(lin.in_features, lin.weight.dtype) for lin in linears}) != 1:
+                continue
+            fused = PackedLinear(linears)
+            for i, name in enumerate(group):
+                setattr(parent, name, FusedSlice(fused, i))
+            count += len(group)
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(module))
-    logger.info("packed %d linear layers for oneDNN", len(targets))
-    return len(targets)
+        setattr(parent, attr, PackedLinear([module]))
+    count += len(targets)
+    logger.info("packed %d linear layers for oneDNN", count)
+    return count

@@ -25,7 +25,7 @@ def test_packed_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: i
     ref = torch.nn.functional.linear(
         x.float(), linear.weight.float(), None if not bias else linear.bias.float()
     )
-    got = PackedLinear(linear)(x)
+    got = PackedLinear([linear])(x)
     assert got.shape == (1, rows, 40) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2 * ref.abs().max().item()
     assert (got.float() - ref).abs().max().item() <= tol
@@ -53,3 +53,30 @@ def test_bf16_engine_packs_by_default_and_tracks_unpacked_logits(make_engine: Ca
     scale = logits[1].float().abs().max().item()
     assert (logits[0].float() - logits[1].float()).abs().max().item() <= 0.05 * scale
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(16, 16, bias=True)
+        self.k_proj = nn.Linear(16, 8, bias=False)
+        self.v_proj = nn.Linear(16, 8, bias=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+
+
+def test_same_input_siblings_are_fused_into_one_gemm() -> None:
+    torch.manual_seed(0)
+    block = _Attention()
+    k_weight = block.k_proj.weight.detach().clone()
+    h = torch.randn(1, 5, 16)
+    ref = block(h)
+    assert pack_linears(block) == 3
+    fused = block.q_proj.fused
+    assert fused.out_features == 32 and block.v_proj.fused is fused
+    assert sum(1 for m in block.modules() if isinstance(m, PackedLinear)) == 1  # one weight copy
+    assert torch.allclose(block(h), ref, atol=1e-5)
+    # A different input is recomputed, never served from the previous call's output.
+    h2 = torch.randn(1, 5, 16)
+    assert torch.allclose(block.k_proj(h2), torch.nn.functional.linear(h2, k_weight), atol=1e-5)
