@@ -1,0 +1,1 @@
+"""The embedded inference engine: continuous batching and per-request speculative decoding."""
