@@ -246,7 +246,9 @@ class Engine:
         )
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         for i, c, k in zip(speculating, candidates, ks, strict=True):
-            if k > 0:
+            if k == 0:
+                c.state.relax()
+            else:
                 seq = batch[i].seq
                 req = ProposalRequest(
                     seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, self._sampling_row(seq, [])

@@ -20,6 +20,9 @@ from engine.spec.cost_model import CostModel
 from engine.spec.params import SpecParams
 
 ACCEPTANCE_EWMA = 0.15
+# Per step without drafts, estimates drift this far back toward the prior, so a request that
+# stopped speculating (low acceptance) probes again later instead of staying off for good.
+ACCEPTANCE_RELAX = 0.01
 
 
 @dataclass(slots=True)
@@ -41,6 +44,10 @@ class SpecState:
         if num_drafted:
             grown = self.k_current + 2 if num_accepted == num_drafted else self.k_current - 1
             self.k_current = min(max(grown, self.params.k_min, 1), self.params.k_max)
+
+    def relax(self) -> None:
+        prior = self.params.acceptance_prior
+        self.alpha = [a + ACCEPTANCE_RELAX * (prior - a) for a in self.alpha]
 
 
 @dataclass(slots=True)

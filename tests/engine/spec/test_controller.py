@@ -351,3 +351,20 @@ def test_cost_model_keeps_long_and_short_contexts_apart() -> None:
     assert k_short > k_long
     # A context never measured borrows the nearest measured one.
     assert cost.forward_time(1, context=5000) == pytest.approx(0.024)
+
+
+def test_a_request_that_stopped_speculating_probes_again_later() -> None:
+    """Low acceptance turns drafting off; with no drafts, estimates drift back to the prior, so
+    after a while the request drafts again instead of staying off for good."""
+    state = SpecState(SpecParams(method="ngram", k_max=4, acceptance_prior=0.6))
+    cand = Candidate(state, "ngram", False, 8)
+    cost = FixedCosts(linear)
+    for _ in range(30):
+        state.observe(1, 0)
+    assert choose_k([cand], 1, 1, 64, cost) == [0]
+    steps = 0
+    while choose_k([cand], 1, 1, 64, cost) == [0]:
+        state.relax()
+        steps += 1
+        assert steps < 1000
+    assert steps >= 3  # not at once: a cold request stays off for a while
