@@ -87,19 +87,20 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[positions // bs] * bs + positions % bs
 
-    def _batched_group(self, items: Sequence[ForwardItem], first_row: int, num_tokens: int) -> BatchedGroup:
+    def _batched_group(
+        self, items: Sequence[ForwardItem], ctx_slots: Sequence[torch.Tensor], first_row: int, num_tokens: int
+    ) -> BatchedGroup:
+        """ctx_slots[i]: [start + n] slots of item i's whole context, its new tokens included."""
         b = len(items)
         t = max(len(it.token_ids) for it in items)
         s = max(it.start + len(it.token_ids) for it in items)
         trash = self.kv_cache.trash_slot
         kv_rows, q_pos_rows, q_index_rows = [], [], []
         row = first_row
-        for it in items:
+        for it, slots in zip(items, ctx_slots, strict=True):
             n = len(it.token_ids)
             ctx = it.start + n
-            kv_rows.append(
-                torch.cat([self._slots(it.block_table, torch.arange(ctx)), torch.full((s - ctx,), trash)])
-            )
+            kv_rows.append(torch.cat([slots, torch.full((s - ctx,), trash)]))
             # A row shorter than t is padded by repeating its last query, which sees its whole context.
             q_pos_rows.append(torch.arange(it.start, it.start + t).clamp_(max=ctx - 1))
             q_index_rows.append(torch.arange(row, row + t).clamp_(max=row + n - 1))
@@ -131,16 +132,17 @@ class ModelRunner:
             if not group:
                 continue
             first_row = len(ids)
+            ctx_slots: list[torch.Tensor] = []
             for i in group:
                 it = items[i]
                 n = len(it.token_ids)
                 logit_rows[i] = range(len(ids) + n - it.num_logits, len(ids) + n)
                 ids.extend(it.token_ids)
-                q_pos = torch.arange(it.start, it.start + n)
-                pos_parts.append(q_pos)
-                slot_parts.append(self._slots(it.block_table, q_pos))
+                pos_parts.append(torch.arange(it.start, it.start + n))
+                ctx_slots.append(self._slots(it.block_table, torch.arange(it.start + n)))
+                slot_parts.append(ctx_slots[-1][it.start :])  # the new tokens' own slots
             meta.groups.append(
-                self._batched_group([items[i] for i in group], first_row, len(ids) - first_row)
+                self._batched_group([items[i] for i in group], ctx_slots, first_row, len(ids) - first_row)
             )
         for i in long:
             it = items[i]
@@ -149,16 +151,12 @@ class ModelRunner:
             ids.extend(it.token_ids)
             q_pos = torch.arange(it.start, it.start + n)
             pos_parts.append(q_pos)
-            slot_parts.append(self._slots(it.block_table, q_pos))
             ctx = it.start + n
+            slots = self._slots(it.block_table, torch.arange(ctx))  # [ctx]
+            slot_parts.append(slots[it.start :])  # the new tokens' own slots
             mask = torch.arange(ctx).view(1, ctx) <= q_pos.view(n, 1)  # [n, ctx]
             meta.long_chunks.append(
-                LongChunk(
-                    start_tok,
-                    start_tok + n,
-                    self._slots(it.block_table, torch.arange(ctx)).to(self.device),
-                    mask.to(self.device),
-                )
+                LongChunk(start_tok, start_tok + n, slots.to(self.device), mask.to(self.device))
             )
             logit_rows[i] = range(start_tok + n - it.num_logits, start_tok + n)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
