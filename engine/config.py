@@ -47,7 +47,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device is cuda but torch sees no CUDA device")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cpu" or torch.cuda.is_bf16_supported() else "float16"
+            self.dtype = _auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -65,3 +65,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+def _auto_dtype(device: str) -> str:
+    if device == "cpu":
+        # bf16 pays on CPUs with native bf16 (AVX512-BF16 / AMX): verifying k tokens then costs about
+        # one decode step. Without it (AVX2-only parts) torch emulates bf16 and fp32 is faster.
+        native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return "bfloat16" if native else "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

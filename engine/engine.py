@@ -156,6 +156,10 @@ class Engine:
         self._aborted.append(seq)
         return True
 
+    def request_ids(self) -> list[str]:
+        """Requests in the engine now: waiting, running or preempted."""
+        return list(self._seqs)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 

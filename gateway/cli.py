@@ -97,6 +97,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    overrides = {"host": args.host, "port": args.port}
+    settings = Settings.load(args.config, **overrides)
+    embedded = {
+        k: v
+        for k, v in {
+            "model": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            "threads": args.threads,
+        }.items()
+        if v is not None
+    }
+    if embedded:
+        settings.embedded = settings.embedded.model_copy(update=embedded)
+    if args.api_key:
+        from pydantic import SecretStr
+
+        settings.api_keys = [SecretStr(k) for k in args.api_key]
+    app = create_app(settings, cache_dir=default_cache_dir())
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info" if args.verbose else "warning",
+        access_log=args.verbose,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgate", description="Adaptive speculative-decoding gateway")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -115,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--spec-controller", default="goodput", choices=["goodput", "static", "heuristic"])
     gen.add_argument("--k-max", type=int, default=8, help="longest draft")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
+    serve.add_argument("--host", default=None, help="default 127.0.0.1 (or SPECGATE_HOST)")
+    serve.add_argument("--port", type=int, default=None, help="default 8000 (or SPECGATE_PORT)")
+    serve.add_argument(
+        "--config", default=None, help="TOML, YAML or JSON file: backends, models, routes, keys"
+    )
+    serve.add_argument("--model", default=None, help="embedded model: HF directory or .gguf file")
+    serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,41 @@
+"""`create_app(settings)`: the gateway as an ASGI app; nothing is built at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway.api import chat, completions, health, models
+from gateway.errors import install_error_handlers
+from gateway.middleware import GatewayMiddleware
+from gateway.records import RecordSink
+from gateway.services import Services
+from gateway.settings import Settings
+
+logger = logging.getLogger("specgate.gateway")
+
+
+def create_app(
+    settings: Settings | None = None, *, cache_dir: str | None = None, sink: RecordSink | None = None
+) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.build(settings, cache_dir, sink)
+        app.state.services = services
+        await services.start()
+        try:
+            yield
+        finally:
+            await services.close()
+
+    app = FastAPI(title="specgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    for module in (chat, completions, models, health):
+        app.include_router(module.router)
+    app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
+    return app

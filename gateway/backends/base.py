@@ -1,0 +1,100 @@
+"""What every backend offers the gateway, and what a call to one carries and leaves behind."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import SpecSettings
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class Observation:
+    """What a backend saw while serving one call; the gateway turns it into metrics and a record."""
+
+    backend: str = ""
+    first_token_time: float | None = None  # time.time() of the first content byte
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    queue_time: float | None = None  # seconds waiting for a batch slot (embedded)
+    # Speculation counters in vLLM's vocabulary (embedded engine, or parsed from the backend).
+    spec: dict[str, Any] | None = None
+    # Raw timing / speculation fields a backend reported: vLLM `metrics`, SGLang `meta_info`,
+    # llama.cpp `timings`.
+    upstream: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 0  # upstream attempts made, retries included
+
+
+@dataclass(slots=True)
+class BackendCall:
+    request_id: str
+    kind: Kind
+    model: str  # the public model name the client asked for
+    body: dict[str, Any]  # the client's body as validated, unknown fields kept
+    request: ChatCompletionRequest | CompletionRequest
+    created: int  # unix seconds, the response's `created`
+    spec: SpecSettings | None = None  # how the embedded engine should speculate (router's choice)
+    route: dict[str, Any] = field(default_factory=dict)  # the routing decision, echoed in `metrics`
+    observed: Observation = field(default_factory=Observation)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+
+class BackendError(Exception):
+    """A backend could not serve a call. `retryable` failures may go to another attempt or backend."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.param = param
+        self.error_type = error_type
+
+
+class Backend(Protocol):
+    name: str
+
+    def model_ids(self) -> list[str]:
+        """Public model names this backend serves now."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """Whether requests should be sent here now (breaker closed or half-open, probe not failing)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def complete(self, call: BackendCall) -> dict[str, Any]:
+        """The whole OpenAI response body (non-streaming)."""
+        ...
+
+    def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI chunk bodies, in order. Failures before the first chunk raise `BackendError`."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """Health and load for /readyz and metrics."""
+        ...

@@ -1,0 +1,74 @@
+"""A circuit breaker per backend: closed, open for a cooldown after repeated failures, then half-open.
+
+Half-open lets one trial request through; its success closes the breaker, its failure reopens it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    failure_threshold: int = 3
+    cooldown: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    failures: int = 0
+    opened_at: float | None = None
+    trial_in_flight: bool = False
+    times_opened: int = 0
+    _on_change: list[Callable[[str], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.cooldown <= 0:
+            raise ValueError("failure_threshold must be >= 1 and cooldown > 0")
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return CLOSED
+        if self.clock() - self.opened_at >= self.cooldown:
+            return HALF_OPEN
+        return OPEN
+
+    def allow(self) -> bool:
+        """Whether a request may go out now; in half-open state only one trial at a time."""
+        state = self.state
+        if state == CLOSED:
+            return True
+        if state == HALF_OPEN and not self.trial_in_flight:
+            self.trial_in_flight = True
+            return True
+        return False
+
+    def retry_after(self) -> float:
+        if self.opened_at is None:
+            return 0.0
+        return max(0.0, self.cooldown - (self.clock() - self.opened_at))
+
+    def record_success(self) -> None:
+        was = self.state
+        self.failures = 0
+        self.opened_at = None
+        self.trial_in_flight = False
+        if was != CLOSED:
+            self._notify()
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.opened_at is not None or self.failures >= self.failure_threshold:
+            self.opened_at = self.clock()
+            self.times_opened += 1
+            self._notify()
+
+    def subscribe(self, callback: Callable[[str], None]) -> None:
+        self._on_change.append(callback)
+
+    def _notify(self) -> None:
+        for cb in self._on_change:
+            cb(self.state)

@@ -1,0 +1,77 @@
+"""Reading the timing and speculation fields other servers put in their responses.
+
+vLLM: a per-request `metrics` object (RequestMetrics names, `spec_token_acceptance_counts`).
+SGLang: `meta_info` with `spec_accept_rate`, `spec_accept_length`, `spec_verify_ct`.
+llama.cpp's server: `timings` with `draft_n` / `draft_n_accepted` when it drafts.
+Whatever is found is kept raw in `Observation.upstream` and, where it speaks of speculation,
+also in our vocabulary in `Observation.spec`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.backends.base import Observation
+
+_KEYS = ("metrics", "meta_info", "timings")
+
+
+def capture(body: dict[str, Any], obs: Observation) -> None:
+    """Update `obs` from one response body or stream chunk."""
+    use = body.get("usage")
+    if isinstance(use, dict):
+        obs.prompt_tokens = use.get("prompt_tokens", obs.prompt_tokens)
+        obs.completion_tokens = use.get("completion_tokens", obs.completion_tokens)
+    for choice in body.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("finish_reason"):
+            obs.finish_reason = choice["finish_reason"]
+        for key in _KEYS:
+            if isinstance(choice, dict) and isinstance(choice.get(key), dict):
+                obs.upstream[key] = choice[key]
+    for key in _KEYS:
+        if isinstance(body.get(key), dict):
+            obs.upstream[key] = body[key]
+    spec = spec_from_upstream(obs.upstream)
+    if spec is not None:
+        obs.spec = spec
+
+
+def spec_from_upstream(raw: dict[str, Any]) -> dict[str, Any] | None:
+    vllm = raw.get("metrics") or {}
+    counts = vllm.get("spec_token_acceptance_counts")
+    if isinstance(counts, list) and counts:
+        # vLLM counts per position, position 0 being the number of verification steps.
+        steps = int(counts[0]) or 0
+        accepted = sum(int(c) for c in counts[1:])
+        return _spec("vllm", steps, None, accepted, [int(c) for c in counts[1:]])
+    sg = raw.get("meta_info") or {}
+    if "spec_verify_ct" in sg:
+        steps = int(sg.get("spec_verify_ct") or 0)
+        length = float(sg.get("spec_accept_length") or 0.0)
+        accepted = round(max(0.0, length - 1.0) * steps)
+        out = _spec("sglang", steps, None, accepted, None)
+        out["mean_acceptance_length"] = length
+        if sg.get("spec_accept_rate") is not None:
+            out["draft_acceptance_rate"] = float(sg["spec_accept_rate"])
+        return out
+    timings = raw.get("timings") or {}
+    if "draft_n" in timings:
+        drafted = int(timings.get("draft_n") or 0)
+        accepted = int(timings.get("draft_n_accepted") or 0)
+        return _spec("llama.cpp", None, drafted, accepted, None)
+    return None
+
+
+def _spec(
+    source: str, steps: int | None, drafted: int | None, accepted: int, counts: list[int] | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "method": f"upstream:{source}",
+        "num_drafts": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_counts": counts,
+        "mean_acceptance_length": (accepted + steps) / steps if steps else None,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+    }
+    return out

@@ -1,0 +1,49 @@
+"""FastAPI dependencies, as `Annotated` aliases the routers use."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.auth import bearer_token, check_key, key_id, unauthorized
+from gateway.errors import APIError
+from gateway.services import Services
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def api_key(request: Request, svc: ServicesDep) -> str | None:
+    """The caller's key id (for records and the rate limit), after checking the key if keys are set."""
+    keys = [k.get_secret_value() for k in svc.settings.api_keys]
+    token = bearer_token(request)
+    if keys:
+        if token is None:
+            raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        if not check_key(token, keys):
+            raise unauthorized()
+    ident = key_id(token) if token else None
+    svc.limiter.check(ident or (request.client.host if request.client else "anonymous"))
+    return ident
+
+
+ApiKeyDep = Annotated[str | None, Depends(api_key)]
+
+
+def admin_key(request: Request, svc: ServicesDep) -> None:
+    key = svc.settings.admin_key
+    if key is None:
+        raise APIError(
+            403, "The admin API is disabled: set an admin key to enable it.", code="admin_disabled"
+        )
+    if not check_key(bearer_token(request), [key.get_secret_value()]):
+        raise unauthorized("Incorrect admin key provided.")
+
+
+AdminDep = Annotated[None, Depends(admin_key)]

@@ -1,0 +1,115 @@
+"""Prometheus metrics, one registry per app (no process-wide singletons, so apps in tests are independent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.records import RequestRecord
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specgate_requests",
+            "Requests by endpoint, model, backend and HTTP status",
+            ["endpoint", "model", "backend", "status", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specgate_ttft_seconds", "Time to first token", ["model", "backend"], buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "specgate_tpot_seconds",
+            "Time per output token after the first",
+            ["model", "backend"],
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specgate_e2e_seconds",
+            "Request latency, end to end",
+            ["model", "backend"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "specgate_gateway_overhead_seconds",
+            "Time spent in the gateway before the backend was called",
+            ["endpoint"],
+            buckets=_OVERHEAD,
+            registry=r,
+        )
+        self.tokens = Counter("specgate_tokens", "Tokens by kind", ["model", "kind"], registry=r)
+        self.draft_tokens = Counter(
+            "specgate_spec_draft_tokens", "Drafted tokens", ["model", "method"], registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specgate_spec_accepted_tokens", "Accepted drafted tokens", ["model", "method"], registry=r
+        )
+        self.acceptance_length = Histogram(
+            "specgate_spec_acceptance_length",
+            "Mean tokens per verification step, per request",
+            ["model", "method"],
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "specgate_engine_queue_depth", "Requests waiting for a batch slot", registry=r
+        )
+        self.batch_size = Gauge("specgate_engine_batch_size", "Requests running in the engine", registry=r)
+        self.kv_usage = Gauge("specgate_engine_kv_usage", "Fraction of KV-cache blocks in use", registry=r)
+        self.in_flight = Gauge("specgate_in_flight_requests", "Requests being served now", registry=r)
+        self.backend_up = Gauge(
+            "specgate_backend_up", "1 if the backend takes traffic", ["backend"], registry=r
+        )
+        self.backend_in_flight = Gauge(
+            "specgate_backend_in_flight", "Requests in flight per backend", ["backend"], registry=r
+        )
+        self.breaker_open = Gauge(
+            "specgate_backend_breaker_open", "1 while the backend's breaker is open", ["backend"], registry=r
+        )
+        self.retries = Counter(
+            "specgate_backend_attempts", "Upstream attempts, retries included", ["backend"], registry=r
+        )
+        self.failovers = Counter(
+            "specgate_failovers", "Requests served by a later candidate backend", ["model"], registry=r
+        )
+
+    def observe(self, rec: RequestRecord) -> None:
+        backend = rec.backend or "none"
+        self.requests.labels(rec.endpoint, rec.model, backend, str(rec.status), rec.outcome).inc()
+        if rec.overhead_ms is not None:
+            self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
+        if rec.outcome != "ok":
+            return
+        for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):
+            if value is not None:
+                hist.labels(rec.model, backend).observe(value / 1e3)
+        if rec.prompt_tokens:
+            self.tokens.labels(rec.model, "prompt").inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            self.tokens.labels(rec.model, "completion").inc(rec.completion_tokens)
+        spec = rec.spec or {}
+        method = spec.get("method")
+        if method:
+            self.draft_tokens.labels(rec.model, method).inc(spec.get("num_draft_tokens") or 0)
+            self.accepted_tokens.labels(rec.model, method).inc(spec.get("num_accepted_tokens") or 0)
+            if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
+                self.acceptance_length.labels(rec.model, method).observe(spec["mean_acceptance_length"])
+
+    def refresh_backends(self, status: dict[str, dict[str, Any]]) -> None:
+        for name, st in status.items():
+            self.backend_up.labels(name).set(1 if st.get("healthy") else 0)
+            self.breaker_open.labels(name).set(1 if st.get("breaker") == "open" else 0)
+            if "in_flight" in st:
+                self.backend_in_flight.labels(name).set(st["in_flight"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

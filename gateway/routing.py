@@ -1,0 +1,78 @@
+"""The routing seam: which backends (in order) serve a request, and how the engine speculates.
+
+`StaticRouter` is the configured default: model -> backends and speculation settings from config,
+a request's own `spec` extension on top. The learning policy plugs in behind the same protocol.
+Every decision is recorded on the request and returned in its `metrics.route`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.errors import APIError
+from gateway.registry import BackendRegistry
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import Settings, SpecSettings
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    model: str
+    backends: list[str]  # candidates, tried in this order
+    spec: SpecSettings | None  # for the embedded engine; external backends decide their own
+    policy: str = "static"
+    policy_version: str | None = None
+    reason: str = ""
+    features: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self, backend: str | None = None) -> dict[str, Any]:
+        spec = self.spec.model_dump() if self.spec is not None else {"method": "off"}
+        return {
+            "backend": backend,
+            "candidates": list(self.backends),
+            "spec": spec,
+            "policy": self.policy,
+            "policy_version": self.policy_version,
+            "reason": self.reason,
+        }
+
+
+class Router(Protocol):
+    def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision: ...
+
+
+class StaticRouter:
+    def __init__(self, settings: Settings, registry: BackendRegistry) -> None:
+        self.settings = settings
+        self.registry = registry
+
+    def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision:
+        model = request.model
+        configured = self.settings.routes.get(model)
+        if configured is not None and configured.backends:
+            names = list(configured.backends)
+            reason = "configured route"
+        else:
+            names = [b.name for b in self.registry.serving(model)]
+            reason = "backends serving the model, in configured order"
+        if not names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist or is not served here.",
+                code="model_not_found",
+                param="model",
+            )
+        spec = (
+            configured.spec
+            if configured is not None and configured.spec is not None
+            else self.settings.embedded.spec
+        )
+        if request.spec is not None:
+            overrides = request.spec.model_dump(exclude_none=True)
+            try:
+                spec = SpecSettings(**{**spec.model_dump(), **overrides})
+            except ValueError as exc:
+                raise APIError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc
+            reason += "; speculation set by the request"
+        return RouteDecision(model=model, backends=names, spec=spec, reason=reason)

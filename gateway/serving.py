@@ -1,0 +1,186 @@
+"""One request's life in the gateway: route, call a backend (with failover), answer, record.
+
+Shared by the chat and completions endpoints. Whatever happens (bad input, backend failure,
+client disconnect) the request leaves exactly one record, and the client an OpenAI-shaped answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import dispatch
+from gateway.backends.base import BackendCall, BackendError, Kind, Observation
+from gateway.disconnect import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from gateway.errors import APIError
+from gateway.records import RequestRecord
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.services import Services
+
+logger = logging.getLogger("specgate.gateway")
+
+
+async def handle(
+    svc: Services,
+    request: Request,
+    parsed: ChatCompletionRequest | CompletionRequest,
+    kind: Kind,
+    key_id: str | None,
+) -> Response:
+    state = request.state
+    rec = RequestRecord(
+        state.request_id,
+        kind,
+        parsed.model,
+        state.received_at,
+        bool(parsed.stream),
+        api_key_id=key_id,
+        load=svc.load_snapshot(),
+    )
+    svc.metrics.in_flight.inc()
+    streaming = False
+    call: BackendCall | None = None
+    try:
+        decision = svc.router.route(parsed)
+        rec.route = decision.as_dict()
+        call = BackendCall(
+            request_id=state.request_id,
+            kind=kind,
+            model=parsed.model,
+            body=parsed.model_dump(exclude_unset=True),
+            request=parsed,
+            created=int(time.time()),
+            spec=decision.spec,
+            route=rec.route,
+        )
+        candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
+        rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
+        if parsed.stream:
+            first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
+            _note_backend(svc, rec, call, backend.name, decision.backends)
+            streaming = True
+            return EventStreamResponse(_events(svc, rec, call, first, rest))
+        body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
+        _note_backend(svc, rec, call, backend.name, decision.backends)
+        if "metrics" not in body or backend is not svc.registry.embedded:
+            body["metrics"] = _external_metrics(call, body.get("metrics"))
+        rec.status = 200
+        _observe(rec, call.observed)
+        return JSONResponse(body)
+    except ClientDisconnected:
+        rec.status, rec.outcome = 499, "cancelled"
+        return Response(status_code=499)
+    except BackendError as err:
+        error = dispatch.to_api_error(err, svc.settings.retry_after_seconds)
+        rec.status, rec.outcome, rec.error_code = error.status, "error", error.code
+        raise error from None
+    except APIError as error:
+        rec.status, rec.outcome, rec.error_code = error.status, "error", error.code
+        raise
+    except asyncio.CancelledError:
+        rec.status, rec.outcome = 499, "cancelled"
+        raise
+    except Exception:
+        rec.status, rec.outcome, rec.error_code = 500, "error", "internal_error"
+        raise
+    finally:
+        if not streaming:
+            _close(svc, rec, call)
+
+
+async def _events(
+    svc: Services,
+    rec: RequestRecord,
+    call: BackendCall,
+    first: dict[str, Any],
+    rest: AsyncIterator[dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    rec.status = 200
+    try:
+        chunk: dict[str, Any] | None = first
+        while chunk is not None:
+            choices = chunk.get("choices")
+            final = (choices and choices[0].get("finish_reason")) or (not choices and chunk.get("usage"))
+            if final and "metrics" not in chunk:
+                chunk["metrics"] = _external_metrics(call, None)
+            yield sse(chunk)
+            chunk = await anext(rest, None)
+        yield DONE
+    except BackendError as err:
+        error = dispatch.to_api_error(err, svc.settings.retry_after_seconds)
+        rec.outcome, rec.error_code = "error", error.code or "backend_error"
+        logger.warning("stream %s failed after it started: %s", rec.request_id, err.message)
+        yield error.sse_event()
+    except (asyncio.CancelledError, GeneratorExit):
+        rec.outcome = "cancelled"
+        raise
+    except Exception:
+        logger.exception("stream %s failed after it started", rec.request_id)
+        rec.outcome, rec.error_code = "error", "internal_error"
+        yield APIError(500, "internal server error", code="internal_error").sse_event()
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        _close(svc, rec, call)
+
+
+def _note_backend(svc: Services, rec: RequestRecord, call: BackendCall, name: str, order: list[str]) -> None:
+    rec.backend = name
+    call.route["backend"] = name
+    if order and name != order[0]:
+        svc.metrics.failovers.labels(call.model).inc()
+
+
+def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any]:
+    obs = call.observed
+    out: dict[str, Any] = {"route": call.route, "spec_decoding": obs.spec or {"method": None}}
+    if obs.upstream:
+        out["upstream"] = obs.upstream
+    elif upstream_metrics is not None:
+        out["upstream"] = {"metrics": upstream_metrics}
+    return out
+
+
+def _observe(rec: RequestRecord, obs: Observation) -> None:
+    rec.first_token_at = obs.first_token_time
+    rec.finish_reason = obs.finish_reason
+    rec.prompt_tokens = obs.prompt_tokens
+    rec.completion_tokens = obs.completion_tokens
+    rec.queue_ms = None if obs.queue_time is None else obs.queue_time * 1e3
+    rec.spec = obs.spec
+    rec.upstream = obs.upstream
+    rec.attempts = obs.attempts
+
+
+def _close(svc: Services, rec: RequestRecord, call: BackendCall | None) -> None:
+    if call is not None:
+        _observe(rec, call.observed)
+        if call.observed.backend and rec.backend is None:
+            rec.backend = call.observed.backend
+    rec.finish()
+    svc.metrics.in_flight.dec()
+    svc.metrics.observe(rec)
+    try:
+        svc.sink.submit(rec)
+    except Exception:  # a sink must not fail a request; the store counts its own losses
+        logger.exception("record sink refused request %s", rec.request_id)
+    if svc.settings.log_requests:
+        logger.info(
+            "%s %s model=%s backend=%s status=%s outcome=%s tokens=%s/%s e2e_ms=%.1f",
+            rec.request_id,
+            rec.endpoint,
+            rec.model,
+            rec.backend,
+            rec.status,
+            rec.outcome,
+            rec.prompt_tokens,
+            rec.completion_tokens,
+            rec.e2e_ms or 0.0,
+        )

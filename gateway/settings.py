@@ -1,0 +1,165 @@
+"""Gateway settings: defaults, then an optional config file (TOML, YAML or JSON), then SPECGATE_* env vars.
+
+Pydantic lives here because this is an edge: operators write these values by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class SpecSettings(BaseModel):
+    """How a model's requests speculate unless a policy or the request says otherwise."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str = "off"  # a registered proposer ("ngram", "suffix", "draft_model") or "off"
+    controller: Literal["goodput", "static", "heuristic"] = "goodput"
+    k_min: int = Field(0, ge=0, le=64)
+    k_max: int = Field(8, ge=0, le=64)
+    num_speculative_tokens: int = Field(4, ge=0, le=64)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SpecSettings:
+        if self.k_min > self.k_max:
+            raise ValueError("k_min must be <= k_max")
+        return self
+
+
+class EmbeddedSettings(BaseModel):
+    """The in-process engine. `model` None serves the embedded default (SmolLM2-135M-Instruct)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    name: str = "embedded"
+    model: str | None = None
+    gguf_file: str | None = None
+    served_model_name: str | None = None  # default: the model's own name
+    aliases: list[str] = Field(default_factory=list)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    threads: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    kv_cache_bytes: int = Field(512 * 2**20, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    convert_cache_dir: str | None = None
+    seed: int = 0
+    # Requests waiting for a batch slot beyond this get 503 with Retry-After.
+    max_waiting: int = Field(256, ge=1)
+    spec: SpecSettings = Field(default_factory=lambda: SpecSettings(method="ngram"))
+
+
+class BackendSettings(BaseModel):
+    """An external OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, Ollama, another specgate)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base_url: str  # up to and including /v1, e.g. http://127.0.0.1:8001/v1
+    api_key: SecretStr | None = None
+    # Public model name -> the backend's own name; a list entry serves a model under its own name.
+    # Empty: the models the backend lists at /models, discovered by the health probe.
+    models: dict[str, str] = Field(default_factory=dict)
+    connect_timeout: float = Field(2.0, gt=0)
+    read_timeout: float = Field(60.0, gt=0)  # between bytes
+    total_timeout: float = Field(600.0, gt=0)  # whole request, streaming included
+    max_retries: int = Field(2, ge=0)  # on connection errors, 429 and 5xx before the first byte
+    retry_backoff: float = Field(0.05, ge=0)  # seconds, doubled per retry
+    max_retry_wait: float = Field(2.0, ge=0)  # a longer Retry-After moves on to the next backend
+    breaker_failures: int = Field(3, ge=1)  # consecutive failures that open the breaker
+    breaker_cooldown: float = Field(10.0, gt=0)  # seconds open before a half-open probe
+    health_interval: float = Field(5.0, ge=0)  # 0 disables background probes
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _list_to_map(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return {str(m): str(m) for m in value}
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("base_url must start with http:// or https://")
+        return value.rstrip("/")
+
+
+class ModelRoute(BaseModel):
+    """Per-model routing overrides: which backends in which order, and how to speculate."""
+
+    model_config = ConfigDict(extra="forbid")
+    backends: list[str] = Field(default_factory=list)  # empty: every backend serving the model
+    spec: SpecSettings | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[SecretStr] = Field(default_factory=list)  # empty: /v1 is open
+    admin_key: SecretStr | None = None  # None: /admin is closed
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    # Per-API-key request rate (requests per minute); 0 disables the limiter.
+    rate_limit_rpm: int = Field(0, ge=0)
+    retry_after_seconds: int = Field(1, ge=1)  # Retry-After sent with 503 when overloaded
+    embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
+    backends: list[BackendSettings] = Field(default_factory=list)
+    routes: dict[str, ModelRoute] = Field(default_factory=dict)
+    log_requests: bool = True
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment variables override the config file, which arrives as init arguments.
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _unique_backends(self) -> Settings:
+        names = [b.name for b in self.backends] + ([self.embedded.name] if self.embedded.enabled else [])
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"backend names must be unique; repeated: {', '.join(sorted(dupes))}")
+        for model, route in self.routes.items():
+            unknown = set(route.backends) - set(names)
+            if unknown:
+                raise ValueError(f"route for {model!r} names unknown backends: {', '.join(sorted(unknown))}")
+        return self
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
+        data = read_config_file(config_file) if config_file else {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data: Any = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"config file {path} must be .toml, .yaml, .yml or .json")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return data

@@ -1,0 +1,121 @@
+"""Tool calling on the embedded engine, in the Hermes convention that Qwen, SmolLM and others use.
+
+The model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; we parse those blocks
+back into OpenAI `tool_calls`. Chat templates that know about tools render them themselves; for the
+others, the tool list goes into a system message written in the same convention.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in str(chat_template)
+
+
+def tools_system_prompt(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> str:
+    specs = "\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools)
+    text = (
+        "You may call functions to help with the user's request. The functions are listed in "
+        f"<tools></tools> tags:\n<tools>\n{specs}\n</tools>\n"
+        "To call a function, reply with a JSON object holding its name and arguments inside "
+        f'{OPEN}{CLOSE} tags, for example:\n{OPEN}{{"name": "fn", "arguments": {{"x": 1}}}}{CLOSE}'
+    )
+    if tool_choice == "required":
+        text += "\nYou must call at least one function."
+    elif isinstance(tool_choice, Mapping):
+        text += f"\nYou must call the function {tool_choice.get('function', {}).get('name')!r}."
+    return text
+
+
+def render_tool_calls_as_text(tool_calls: Sequence[Mapping[str, Any]]) -> str:
+    """An assistant turn's earlier tool calls, written back the way the model would have written them."""
+    blocks = []
+    for call in tool_calls:
+        fn = call.get("function", {})
+        args = fn.get("arguments", "{}")
+        try:
+            args_obj = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            args_obj = args
+        blocks.append(f"{OPEN}{json.dumps({'name': fn.get('name'), 'arguments': args_obj})}{CLOSE}")
+    return "\n".join(blocks)
+
+
+class ToolCallParser:
+    """Splits streamed text into plain content and tool calls.
+
+    Text that may be the start of `<tool_call>` is held back until it is known not to be; text
+    inside a block is kept until the block closes. `finish()` parses the blocks.
+    """
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._blocks: list[str] = []
+        self._inside = False
+
+    def feed(self, text: str) -> str:
+        """Returns the content that can be shown now."""
+        self._held += text
+        out = []
+        while self._held:
+            if self._inside:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    break
+                self._blocks.append(self._held[:end])
+                self._held = self._held[end + len(CLOSE) :]
+                self._inside = False
+                continue
+            start = self._held.find(OPEN)
+            if start >= 0:
+                out.append(self._held[:start])
+                self._held = self._held[start + len(OPEN) :]
+                self._inside = True
+                continue
+            keep = _partial_suffix(self._held, OPEN)
+            out.append(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+            break
+        return "".join(out)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content still held back, parsed tool calls). An unparseable block stays content."""
+        rest = self._held if not self._inside else OPEN + self._held
+        calls: list[dict[str, Any]] = []
+        bad: list[str] = []
+        for block in self._blocks:
+            call = _parse_block(block)
+            if call is None:
+                bad.append(f"{OPEN}{block}{CLOSE}")
+            else:
+                calls.append(call)
+        return "".join(bad) + rest, calls
+
+
+def _partial_suffix(text: str, token: str) -> int:
+    for n in range(min(len(token) - 1, len(text)), 0, -1):
+        if text.endswith(token[:n]):
+            return n
+    return 0
+
+
+def _parse_block(block: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(block.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+    }

@@ -1,0 +1,81 @@
+"""A real gateway on loopback: uvicorn in a background thread, serving `create_app(settings)`."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.services import Services
+from gateway.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveGateway:
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def services(self) -> Services:
+        services: Services = self.app.state.services
+        return services
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_gateway(settings: Settings, *, wait_ready: bool = True, timeout: float = 120.0, **kw: Any) -> LiveGateway:
+    port = settings.port or free_port()
+    settings = settings.model_copy(update={"port": port})
+    app = create_app(settings, **kw)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    live = LiveGateway(app, server, thread, port)
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.02)
+    if wait_ready:
+        wait_until_ready(live.url, deadline)
+    return live
+
+
+def wait_until_ready(url: str, deadline: float) -> None:
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not become ready")
+        time.sleep(0.05)
+
+
+def tiny_settings(model_dir: str, **overrides: Any) -> Settings:
+    embedded = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_blocks": 256, "block_size": 4}
+    embedded.update(overrides.pop("embedded", {}))
+    return Settings(embedded=embedded, port=0, **overrides)
