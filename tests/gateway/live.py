@@ -44,7 +44,9 @@ class LiveGateway:
         self.thread.join(30)
 
 
-def start_gateway(settings: Settings, *, wait_ready: bool = True, timeout: float = 120.0, **kw: Any) -> LiveGateway:
+def start_gateway(
+    settings: Settings, *, wait_ready: bool = True, timeout: float = 120.0, **kw: Any
+) -> LiveGateway:
     port = settings.port or free_port()
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings, **kw)
