@@ -46,20 +46,46 @@ class GatewayMiddleware:
         state["received_perf"] = time.perf_counter()
         rid_header = (b"x-request-id", request_id.encode())
         started = False
+        too_large = False  # set by the body reader; whatever the app answers then becomes a 413
+        limit = self.max_body_bytes
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
+            if too_large and not started:
+                started = True
+                await self._send_error(BodyTooLarge(limit), send_with_id_raw)
+                return
+            if too_large:
+                return  # the app's own answer (a body-parse error) is replaced by the 413 above
             if message["type"] == "http.response.start":
                 started = True
                 message["headers"] = [*message.get("headers", []), rid_header]
             await send(message)
 
+        async def send_with_id_raw(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        seen = 0
+
+        async def limited_receive() -> Message:
+            # Bodies without a content-length are counted as they arrive.
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    too_large = True
+                    raise BodyTooLarge(limit)
+            return message
+
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._send_error(BodyTooLarge(self.max_body_bytes), send_with_id)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._send_error(BodyTooLarge(limit), send_with_id)
             return
         try:
-            await self.app(scope, self._limited(receive), send_with_id)
+            await self.app(scope, limited_receive, send_with_id)
         except Exception as exc:
             if started:
                 raise
@@ -71,21 +97,6 @@ class GatewayMiddleware:
             if not isinstance(exc, APIError):
                 logger.exception("unhandled error on %s", scope.get("path"))
             await self._send_error(error, send_with_id)
-
-    def _limited(self, receive: Receive) -> Receive:
-        seen = 0
-        limit = self.max_body_bytes
-
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge(limit)
-            return message
-
-        return wrapped
 
     @staticmethod
     async def _send_error(error: APIError, send: Any) -> None:

@@ -41,6 +41,7 @@ class BackendCall:
     spec: SpecSettings | None = None  # how the embedded engine should speculate (router's choice)
     route: dict[str, Any] = field(default_factory=dict)  # the routing decision, echoed in `metrics`
     observed: Observation = field(default_factory=Observation)
+    engine_id: str = ""  # the embedded engine's id for this call (unique even if request ids repeat)
 
     @property
     def stream(self) -> bool:

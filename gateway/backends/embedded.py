@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -35,6 +36,7 @@ class EmbeddedBackend:
         self.worker: EngineWorker | None = None
         self.load_error: str | None = None
         self._loading: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
 
     @property
     def engine(self) -> Engine | None:
@@ -119,7 +121,9 @@ class EmbeddedBackend:
         prep = prepare(call, worker.engine)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
-        return prep, worker.submit(call.request_id, prep.prompt_ids, prep.params, spec)
+        # Client-chosen x-request-ids may repeat; the engine's ids must not.
+        call.engine_id = f"{call.request_id}#{next(self._ids)}"
+        return prep, worker.submit(call.engine_id, prep.prompt_ids, prep.params, spec)
 
     @staticmethod
     def _spec_params(call: BackendCall) -> SpecParams | None:
@@ -150,7 +154,7 @@ class EmbeddedBackend:
                     return
         finally:
             if not finished and self.worker is not None:
-                self.worker.abort(call.request_id)  # client gone or cancelled: free the KV blocks now
+                self.worker.abort(call.engine_id)  # client gone or cancelled: free the KV blocks now
 
     def _observe_final(self, call: BackendCall, out: RequestOutput) -> None:
         obs = call.observed
@@ -192,15 +196,9 @@ class EmbeddedBackend:
             if prep.logprobs is not None:
                 logprobs = fmt.completion_logprobs(lps, text_of, prep.logprobs, len(prep.echo))
             return fmt.completion_response(rid, call.created, model, prep.echo + text, finish, use, logprobs)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if prep.tools:
-            parser = ToolCallParser()
-            content = parser.feed(text)
-            rest, calls = parser.finish()
-            content += rest
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                finish = "tool_calls"
+        message = chat_message(text, prep.tools)
+        if "tool_calls" in message:
+            finish = "tool_calls"
         logprobs = fmt.chat_logprobs(lps, text_of, prep.logprobs) if prep.logprobs is not None else None
         return fmt.chat_response(rid, call.created, model, message, finish, use, logprobs)
 
@@ -218,6 +216,19 @@ class EmbeddedBackend:
                         yield chunk
         finally:
             await outputs.aclose()
+
+
+def chat_message(text: str, parse_tools: bool) -> dict[str, Any]:
+    """The assistant message for a whole output, tool calls parsed out when the request had tools."""
+    if not parse_tools:
+        return {"role": "assistant", "content": text}
+    parser = ToolCallParser()
+    content = parser.feed(text)
+    rest, calls = parser.finish()
+    content += rest
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
 class _ChunkWriter:

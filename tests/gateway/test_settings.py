@@ -1,0 +1,75 @@
+"""Settings: defaults, config files (TOML / YAML / JSON), env vars over the file, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.settings import Settings
+
+
+def test_defaults_serve_the_embedded_model_with_dynamic_ngram() -> None:
+    s = Settings()
+    assert s.embedded.enabled and s.embedded.model is None and s.backends == []
+    assert s.embedded.spec.method == "ngram" and s.embedded.spec.controller == "goodput"
+    assert s.api_keys == [] and s.admin_key is None
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml", ".json"])
+def test_config_files(tmp_path: Path, suffix: str) -> None:
+    data = {
+        "port": 9001,
+        "backends": [{"name": "vllm", "base_url": "http://127.0.0.1:8001/v1/", "models": ["m1", "m2"]}],
+        "routes": {"m1": {"backends": ["vllm", "embedded"], "spec": {"method": "suffix", "k_max": 4}}},
+    }
+    path = tmp_path / f"cfg{suffix}"
+    if suffix == ".toml":
+        path.write_text(
+            'port = 9001\n[[backends]]\nname = "vllm"\n'
+            'base_url = "http://127.0.0.1:8001/v1/"\nmodels = ["m1", "m2"]\n'
+            '[routes.m1]\nbackends = ["vllm", "embedded"]\n[routes.m1.spec]\nmethod = "suffix"\nk_max = 4\n'
+        )
+    elif suffix == ".yaml":
+        import yaml
+
+        path.write_text(yaml.safe_dump(data))
+    else:
+        path.write_text(json.dumps(data))
+    s = Settings.load(path)
+    assert s.port == 9001
+    b = s.backends[0]
+    assert b.base_url == "http://127.0.0.1:8001/v1" and b.models == {"m1": "m1", "m2": "m2"}
+    assert s.routes["m1"].backends == ["vllm", "embedded"] and s.routes["m1"].spec.k_max == 4  # type: ignore[union-attr]
+
+
+def test_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"port": 9001, "embedded": {"dtype": "bfloat16"}}))
+    monkeypatch.setenv("SPECGATE_PORT", "9002")
+    monkeypatch.setenv("SPECGATE_EMBEDDED__DTYPE", "float32")
+    s = Settings.load(path)
+    assert s.port == 9002 and s.embedded.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"backends": [{"name": "a", "base_url": "localhost:1"}]},
+        {"backends": [{"name": "embedded", "base_url": "http://x"}]},
+        {"routes": {"m": {"backends": ["ghost"]}}},
+        {"embedded": {"spec": {"k_min": 5, "k_max": 2}}},
+        {"embedded": {"unknown_knob": 1}},
+        {"port": -1},
+    ],
+)
+def test_invalid_settings_are_refused(data: dict) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**data)
+
+
+def test_secrets_do_not_print() -> None:
+    s = Settings(api_keys=["sk-secret"], admin_key="adm-secret")
+    assert "sk-secret" not in repr(s) and "adm-secret" not in str(s.model_dump())
