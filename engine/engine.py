@@ -199,14 +199,15 @@ class Engine:
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 seq.stats.num_prefill_chunks += 1
         done = time.monotonic()
+        num_tokens = sum(len(it.token_ids) for it in items)
+        step = (num_tokens, (time.perf_counter() - t0) * 1e3)  # batch tokens, forward ms: for telemetry
         r = 0
         for s, d, sampled in zip(batch, drafts, samples, strict=True):
             if sampled:
                 block = slice(r, r + len(d.token_ids) + 1)
                 r = block.stop
-                self._emit(s.seq, d, logits[block], processed[block], rows[block], done)
+                self._emit(s.seq, d, logits[block], processed[block], rows[block], done, step)
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
-        num_tokens = sum(len(it.token_ids) for it in items)
         context = _mean_context((it.start, len(it.token_ids)) for it in items)
         self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
         for s in batch:
@@ -281,6 +282,7 @@ class Engine:
         processed: torch.Tensor,  # [k + 1, vocab]
         rows: list[SamplingRow],
         now: float,
+        step: tuple[int, float],
     ) -> None:
         draft = proposal.token_ids
         if draft:
@@ -297,7 +299,7 @@ class Engine:
         lps = token_logprobs(raw[: len(tokens)], tokens, rows[: len(tokens)])
         if seq.spec is not None and seq.stats.spec is not None and draft:
             seq.spec.observe(len(draft), accepted)
-            seq.stats.spec.record(len(draft), accepted)
+            seq.stats.spec.record(len(draft), accepted, *step)
         num_before = seq.num_tokens
         for token, lp in zip(tokens, lps, strict=True):
             self._append_token(seq, token, lp, now)

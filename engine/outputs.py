@@ -24,6 +24,8 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     per_step_drafted: list[int] = field(default_factory=list)
     per_step_accepted: list[int] = field(default_factory=list)
+    per_step_batch_tokens: list[int] = field(default_factory=list)  # tokens in the whole forward pass
+    per_step_ms: list[float] = field(default_factory=list)  # that pass's forward time
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -36,7 +38,7 @@ class SpecStats:
     def draft_acceptance_rate(self) -> float:
         return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, batch_tokens: int = 0, step_ms: float = 0.0) -> None:
         self.num_spec_steps += 1
         self.num_draft_tokens += drafted
         self.num_accepted_draft_tokens += accepted
@@ -46,6 +48,8 @@ class SpecStats:
             self.acceptance_histogram[i] += 1
         self.per_step_drafted.append(drafted)
         self.per_step_accepted.append(accepted)
+        self.per_step_batch_tokens.append(batch_tokens)
+        self.per_step_ms.append(step_ms)
 
 
 @dataclass(slots=True)
@@ -74,6 +78,8 @@ class RequestStats:
                 acceptance_histogram=list(self.spec.acceptance_histogram),
                 per_step_drafted=list(self.spec.per_step_drafted),
                 per_step_accepted=list(self.spec.per_step_accepted),
+                per_step_batch_tokens=list(self.spec.per_step_batch_tokens),
+                per_step_ms=list(self.spec.per_step_ms),
             )
         return replace(self, token_times=list(self.token_times), spec=spec)
 

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from platformdirs import user_cache_dir
 
@@ -122,6 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pydantic import SecretStr
 
         settings.api_keys = [SecretStr(k) for k in args.api_key]
+    if settings.telemetry.enabled:
+        _preflight_schema(settings)
     app = create_app(settings, cache_dir=default_cache_dir())
     uvicorn.run(
         app,
@@ -131,6 +134,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.verbose,
         timeout_graceful_shutdown=10,
     )
+    return 0
+
+
+def _preflight_schema(settings: Any) -> None:
+    """Refuse to start on an outdated telemetry schema with a message, not a traceback."""
+    from gateway.telemetry.schema import SchemaOutdatedError, ensure_schema
+    from gateway.telemetry.store import TelemetryStore
+
+    store = TelemetryStore(settings.telemetry)
+    try:
+        if not store.auto_upgrade:
+            ensure_schema(store.engine, store.url, auto_upgrade=False)
+    except SchemaOutdatedError as exc:
+        raise ValueError(str(exc)) from None
+    except Exception:
+        pass  # unreachable now: the gateway starts and spools rows until it is back
+    finally:
+        store.engine.dispose()
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from gateway.telemetry import schema
+
+    url = args.url or os.environ.get("SPECGATE_TELEMETRY__URL") or schema.default_url()
+    if args.action == "upgrade":
+        schema.upgrade(url, args.revision or "head")
+    elif args.action == "downgrade":
+        if not args.revision:
+            raise ValueError("downgrade needs a revision: a revision id, -1, or base")
+        schema.downgrade(url, args.revision)
+    engine = schema.make_engine(url)
+    try:
+        current = schema.current_revision(engine)
+    finally:
+        engine.dispose()
+    head = schema.head_revision(url)
+    sys.stdout.write(f"current: {current or 'none (empty)'}  head: {head}\n")
     return 0
 
 
@@ -165,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     serve.set_defaults(func=cmd_serve)
+
+    db = sub.add_parser("db", help="telemetry database schema (Alembic)")
+    db.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    db.add_argument("revision", nargs="?", default=None, help="target revision (upgrade: default head)")
+    db.add_argument(
+        "--url", default=None, help="database URL (default $SPECGATE_TELEMETRY__URL or the SQLite file)"
+    )
+    db.set_defaults(func=cmd_db)
     return parser
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.records import RequestRecord
 
@@ -111,5 +114,30 @@ class Metrics:
             if "in_flight" in st:
                 self.backend_in_flight.labels(name).set(st["in_flight"])
 
+    def watch_writer(self, counters: Any, queue_size: Callable[[], int]) -> None:
+        """Export the telemetry writer's counters (read at scrape time, no locking needed)."""
+        self.registry.register(_WriterCollector(counters, queue_size))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WriterCollector(Collector):
+    def __init__(self, counters: Any, queue_size: Callable[[], int]) -> None:
+        self.counters = counters
+        self.queue_size = queue_size
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters
+        for name, value, doc in (
+            ("queued", c.queued, "Rows handed to the telemetry writer"),
+            ("written", c.written, "Rows inserted into the database directly"),
+            ("spooled", c.spooled, "Rows written to the spool file while the database was unavailable"),
+            ("replayed", c.replayed, "Spooled rows replayed into the database"),
+            ("dropped", c.dropped, "Rows lost (the spool's disk failed); must stay 0"),
+            ("db_errors", c.db_errors, "Failed database writes"),
+        ):
+            yield CounterMetricFamily(f"specgate_telemetry_rows_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "specgate_telemetry_queue_depth", "Rows waiting for the writer", value=self.queue_size()
+        )

@@ -36,6 +36,11 @@ class RequestRecord:
     spec: dict[str, Any] | None = None
     upstream: dict[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called
+    workload_class: str | None = None  # set by a classifying router
+    class_confidence: float | None = None
+    features: dict[str, Any] = field(default_factory=dict)  # what the routing policy saw
+    # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
+    spec_steps: list[tuple[int, int, int, float]] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:

@@ -25,6 +25,8 @@ class RouteDecision:
     policy_version: str | None = None
     reason: str = ""
     features: dict[str, Any] = field(default_factory=dict)
+    workload_class: str | None = None
+    class_confidence: float | None = None
 
     def as_dict(self, backend: str | None = None) -> dict[str, Any]:
         spec = self.spec.model_dump() if self.spec is not None else {"method": "off"}

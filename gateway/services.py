@@ -14,10 +14,11 @@ import httpx
 
 from gateway.auth import RateLimiter
 from gateway.metrics import Metrics
-from gateway.records import MemorySink, RecordSink
+from gateway.records import MemorySink, RecordSink, RequestRecord
 from gateway.registry import BackendRegistry
 from gateway.routing import Router, StaticRouter
 from gateway.settings import Settings
+from gateway.telemetry.store import TelemetryStore
 
 logger = logging.getLogger("specgate.gateway")
 
@@ -31,8 +32,10 @@ class Services:
     registry: BackendRegistry
     router: Router
     metrics: Metrics
-    sink: RecordSink
+    recent: MemorySink  # the latest records, in memory
+    store: TelemetryStore | None  # durable rows (SQLite / PostgreSQL)
     limiter: RateLimiter
+    extra_sinks: list[RecordSink] = field(default_factory=list)
     # Extra readiness checks by name (the telemetry store adds "store").
     readiness: dict[str, ReadinessCheck] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -44,17 +47,37 @@ class Services:
         # One pooled client for every external backend; per-backend timeouts are set per request.
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
         registry = BackendRegistry.from_settings(settings, client, cache_dir)
-        return cls(
+        store = TelemetryStore(settings.telemetry) if settings.telemetry.enabled else None
+        services = cls(
             settings=settings,
             client=client,
             registry=registry,
             router=StaticRouter(settings, registry),
             metrics=Metrics(),
-            sink=sink or MemorySink(),
+            recent=MemorySink(),
+            store=store,
             limiter=RateLimiter(settings.rate_limit_rpm),
+            extra_sinks=[sink] if sink is not None else [],
         )
+        if store is not None:
+            services.readiness["store"] = store.ready
+            services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
+        return services
+
+    def submit(self, record: RequestRecord) -> None:
+        """Hand a finished request's record to every sink; a failing sink never fails the request."""
+        sinks: list[RecordSink | None] = [self.recent, self.store, *self.extra_sinks]
+        for sink in sinks:
+            if sink is None:
+                continue
+            try:
+                sink.submit(record)
+            except Exception:
+                logger.exception("record sink %s refused request %s", type(sink).__name__, record.request_id)
 
     async def start(self) -> None:
+        if self.store is not None:
+            await asyncio.to_thread(self.store.open)
         await self.registry.start()
         embedded = self.registry.embedded
         if embedded is not None:
@@ -75,6 +98,8 @@ class Services:
                 await self._refresher
         await self.registry.close()
         await self.client.aclose()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)  # flushes every queued row first
 
     def _on_step(self, load: Any) -> None:
         self.metrics.queue_depth.set(load.num_waiting)

@@ -49,6 +49,9 @@ async def handle(
     try:
         decision = svc.router.route(parsed)
         rec.route = decision.as_dict()
+        rec.features = decision.features
+        rec.workload_class = decision.workload_class
+        rec.class_confidence = decision.class_confidence
         call = BackendCall(
             request_id=state.request_id,
             kind=kind,
@@ -134,6 +137,8 @@ async def _events(
 def _note_backend(svc: Services, rec: RequestRecord, call: BackendCall, name: str, order: list[str]) -> None:
     rec.backend = name
     call.route["backend"] = name
+    if svc.registry.embedded is None or name != svc.registry.embedded.name:
+        call.route["spec"] = None  # an external backend decides its own speculation
     if order and name != order[0]:
         svc.metrics.failovers.labels(call.model).inc()
 
@@ -157,6 +162,7 @@ def _observe(rec: RequestRecord, obs: Observation) -> None:
     rec.spec = obs.spec
     rec.upstream = obs.upstream
     rec.attempts = obs.attempts
+    rec.spec_steps = obs.spec_steps
 
 
 def _close(svc: Services, rec: RequestRecord, call: BackendCall | None) -> None:
@@ -167,10 +173,7 @@ def _close(svc: Services, rec: RequestRecord, call: BackendCall | None) -> None:
     rec.finish()
     svc.metrics.in_flight.dec()
     svc.metrics.observe(rec)
-    try:
-        svc.sink.submit(rec)
-    except Exception:  # a sink must not fail a request; the store counts its own losses
-        logger.exception("record sink refused request %s", rec.request_id)
+    svc.submit(rec)
     if svc.settings.log_requests:
         logger.info(
             "%s %s model=%s backend=%s status=%s outcome=%s tokens=%s/%s e2e_ms=%.1f",

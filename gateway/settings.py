@@ -100,6 +100,24 @@ class ModelRoute(BaseModel):
     spec: SpecSettings | None = None
 
 
+class TelemetrySettings(BaseModel):
+    """Where request rows go. `url` None: a SQLite file in the user's data directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    url: SecretStr | None = (
+        None  # e.g. postgresql+psycopg://user:pass@host/db (a secret: it may hold a password)
+    )
+    # None: upgrade the embedded default database automatically, never any other.
+    auto_upgrade: bool | None = None
+    spool_path: str | None = None  # default: next to the embedded database, one file per URL
+    batch_size: int = Field(256, ge=1)
+    flush_interval: float = Field(0.2, gt=0)
+    max_queue: int = Field(100_000, ge=1)
+    retry_interval: float = Field(1.0, gt=0)
+    spec_steps_sample_rate: float = Field(0.0, ge=0.0, le=1.0)  # share of requests with per-step rows
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -114,6 +132,7 @@ class Settings(BaseSettings):
     embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
     routes: dict[str, ModelRoute] = Field(default_factory=dict)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     log_requests: bool = True
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,6 +79,12 @@ def tiny_config_kwargs() -> dict:
         pad_token_id=VOCAB_SIZE - 1,
         tie_word_embeddings=False,
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Telemetry databases and spools of gateways under test go to a temporary directory."""
+    os.environ["SPECGATE_DATA_DIR"] = str(tmp_path_factory.mktemp("specgate-data"))
 
 
 @pytest.fixture(scope="session")

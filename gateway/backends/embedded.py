@@ -162,6 +162,17 @@ class EmbeddedBackend:
         obs.completion_tokens = out.stats.num_output_tokens
         obs.queue_time = out.stats.queue_time
         obs.spec = fmt.spec_decoding(out.stats)
+        st = out.stats.spec
+        if st is not None:
+            obs.spec_steps = list(
+                zip(
+                    st.per_step_drafted,
+                    st.per_step_accepted,
+                    st.per_step_batch_tokens,
+                    st.per_step_ms,
+                    strict=True,
+                )
+            )
 
     def _text_of(self, engine: Engine) -> Any:
         return functools.lru_cache(maxsize=4096)(lambda t: engine.tokenizer.decode([t]))

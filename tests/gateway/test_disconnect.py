@@ -54,9 +54,9 @@ def test_stream_disconnect_frees_blocks(gateway: LiveGateway, model_name: str, s
     left = time.monotonic()
     assert _wait(lambda: not slow_engine.request_ids() and slow_engine.block_manager.num_used_blocks == 0)
     assert time.monotonic() - left < 1.0  # at once, not when the request would have finished (~4 s)
-    rec = gateway.services.sink.find("leaves-mid-stream")  # type: ignore[attr-defined]
-    assert _wait(lambda: gateway.services.sink.find("leaves-mid-stream") is not None)  # type: ignore[attr-defined]
-    rec = gateway.services.sink.find("leaves-mid-stream")  # type: ignore[attr-defined]
+    rec = gateway.services.recent.find("leaves-mid-stream")  # type: ignore[attr-defined]
+    assert _wait(lambda: gateway.services.recent.find("leaves-mid-stream") is not None)  # type: ignore[attr-defined]
+    rec = gateway.services.recent.find("leaves-mid-stream")  # type: ignore[attr-defined]
     assert rec.outcome == "cancelled" and rec.status == 200 and rec.completion_tokens is None
 
 
@@ -69,8 +69,8 @@ def test_non_stream_disconnect_frees_blocks(gateway: LiveGateway, model_name: st
     assert _wait(
         lambda: not slow_engine.request_ids() and slow_engine.block_manager.num_used_blocks == 0, 1.5
     )
-    assert _wait(lambda: gateway.services.sink.find("gives-up") is not None)  # type: ignore[attr-defined]
-    rec = gateway.services.sink.find("gives-up")  # type: ignore[attr-defined]
+    assert _wait(lambda: gateway.services.recent.find("gives-up") is not None)  # type: ignore[attr-defined]
+    rec = gateway.services.recent.find("gives-up")  # type: ignore[attr-defined]
     assert rec.outcome == "cancelled" and rec.status == 499
 
 

@@ -194,7 +194,7 @@ def test_request_id_header(gateway: LiveGateway, model_name: str) -> None:
     assert r.json()["id"] == "chatcmpl-my-req-42"
     r2 = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
     assert len(r2.headers["x-request-id"]) >= 16 and r2.headers["x-request-id"] != "my-req-42"
-    rec = gateway.services.sink.find("my-req-42")  # type: ignore[attr-defined]
+    rec = gateway.services.recent.find("my-req-42")  # type: ignore[attr-defined]
     assert (
         rec is not None and rec.outcome == "ok" and rec.completion_tokens == 2 and rec.backend == "embedded"
     )

@@ -164,7 +164,7 @@ def test_keys_never_reach_the_logs(
         c = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="k-good", max_retries=0)
         c.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
     assert "k-good" not in caplog.text
-    rec = guarded.services.sink.records[-1]  # type: ignore[attr-defined]
+    rec = guarded.services.recent.records[-1]  # type: ignore[attr-defined]
     assert rec.api_key_id and rec.api_key_id.startswith("key-") and "k-good" not in rec.api_key_id
 
 
@@ -207,5 +207,5 @@ def test_overload_is_503_with_retry_after(
         assert int(third.headers["retry-after"]) >= 1
         assert _shape(third.json())["code"] == "overloaded"
     second.join(60)
-    rec = narrow.services.sink.records  # type: ignore[attr-defined]
+    rec = narrow.services.recent.records  # type: ignore[attr-defined]
     assert [r.status for r in rec].count(503) == 1 and rec[-1].status == 200  # the waiting one was served

@@ -1,0 +1,1 @@
+"""Telemetry store: one durable row per request, in SQLite (embedded default) or PostgreSQL."""

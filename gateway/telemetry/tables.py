@@ -1,0 +1,106 @@
+"""Table metadata of the telemetry store: the one thing Alembic's env.py imports.
+
+Keep this module free of imports from the rest of the project.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+requests = Table(
+    "requests",
+    metadata,
+    # Identity. The key id is a hash prefix of the API key, never the key.
+    Column("request_id", String(128), primary_key=True),
+    Column("api_key_id", String(32)),
+    Column("endpoint", String(16), nullable=False),
+    Column("model", String(256), nullable=False),
+    Column("stream", Boolean, nullable=False),
+    # Timestamps (UTC).
+    Column("received_at", DateTime(timezone=True), nullable=False),
+    Column("first_token_at", DateTime(timezone=True)),
+    Column("finished_at", DateTime(timezone=True)),
+    # Outcome.
+    Column("status", Integer, nullable=False),
+    Column("outcome", String(16), nullable=False),  # ok | error | cancelled
+    Column("cancelled", Boolean, nullable=False),
+    Column("finish_reason", String(32)),
+    Column("error_code", String(64)),
+    # Tokens and timing.
+    Column("prompt_tokens", Integer),
+    Column("completion_tokens", Integer),
+    Column("queue_ms", Float),
+    Column("ttft_ms", Float),
+    Column("tpot_ms", Float),
+    Column("e2e_ms", Float),
+    Column("tokens_per_s", Float),
+    Column("overhead_ms", Float),
+    Column("attempts", Integer),
+    # The route decision.
+    Column("backend", String(128)),
+    Column("spec_method", String(64)),
+    Column("spec_controller", String(32)),
+    Column("k_min", Integer),
+    Column("k_max", Integer),
+    Column("policy", String(64)),
+    Column("policy_version", String(64)),
+    Column("decision_reason", Text),
+    Column("route", JSON),
+    # What the policy saw: the request's workload class and features.
+    Column("workload_class", String(32)),
+    Column("class_confidence", Float),
+    Column("features", JSON),
+    # Load at arrival.
+    Column("load_queue_depth", Integer),
+    Column("load_running", Integer),
+    Column("load_kv_usage", Float),
+    Column("load_backend_in_flight", Integer),
+    # Speculation (vLLM's names).
+    Column("num_spec_steps", Integer),
+    Column("num_draft_tokens", Integer),
+    Column("num_accepted_draft_tokens", Integer),
+    Column("mean_acceptance_length", Float),
+    Column("draft_acceptance_rate", Float),
+    Column("acceptance_histogram", JSON),
+    Column("upstream", JSON),  # what an external backend reported (vLLM metrics, SGLang meta_info...)
+    Index(None, "received_at"),
+    Index(None, "model", "received_at"),
+    Index(None, "workload_class", "spec_method"),
+    Index(None, "backend", "spec_method", "received_at"),
+    Index(None, "outcome", "received_at"),
+)
+
+spec_steps = Table(
+    "spec_steps",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("request_id", String(128), nullable=False),
+    Column("step_index", Integer, nullable=False),
+    Column("k_proposed", Integer, nullable=False),
+    Column("accepted", Integer, nullable=False),
+    Column("batch_tokens", Integer),
+    Column("step_ms", Float),
+    UniqueConstraint("request_id", "step_index"),
+)

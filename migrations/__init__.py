@@ -1,0 +1,1 @@
+"""Alembic migrations of the telemetry store (packaged so `specgate db` finds them when installed)."""
