@@ -86,19 +86,43 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return invalid(f"invalid value for {param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
+async def _record_rejection(request: Request, error: APIError) -> None:
+    """Requests refused before the serving path took them over are recorded here."""
+    if getattr(request.state, "recorded", False):
+        return
+    services = getattr(request.app.state, "services", None)
+    if services is None:
+        return
+    model = None
+    try:
+        body = json.loads(await request.body())
+        model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
+    except Exception:  # unreadable or not JSON: the record says "unknown"
+        pass
+    state = request.state
+    services.record_rejection(
+        state.request_id, request.url.path, model, state.received_at, error.status, error.code
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
+        await _record_rejection(request, exc)
         return exc.response()
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return _validation_error(exc).response()
+        error = _validation_error(exc)
+        await _record_rejection(request, error)
+        return error.response()
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        error = APIError(exc.status_code, str(exc.detail), code=code)
+        await _record_rejection(request, error)
+        return error.response()
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)

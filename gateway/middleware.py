@@ -77,12 +77,14 @@ class GatewayMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     too_large = True
+                    state["recorded"] = True  # the 413 is recorded here, not by the app's error handler
                     raise BodyTooLarge(limit)
             return message
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._send_error(BodyTooLarge(limit), send_with_id)
+            self._record_413(scope, request_id, state["received_at"])
             return
         try:
             await self.app(scope, limited_receive, send_with_id)
@@ -97,6 +99,15 @@ class GatewayMiddleware:
             if not isinstance(exc, APIError):
                 logger.exception("unhandled error on %s", scope.get("path"))
             await self._send_error(error, send_with_id)
+        if too_large:
+            self._record_413(scope, request_id, state["received_at"])
+
+    @staticmethod
+    def _record_413(scope: Scope, request_id: str, received_at: float) -> None:
+        app = scope.get("app")
+        services = getattr(getattr(app, "state", None), "services", None)
+        if services is not None:
+            services.record_rejection(request_id, scope["path"], None, received_at, 413, "request_too_large")
 
     @staticmethod
     async def _send_error(error: APIError, send: Any) -> None:

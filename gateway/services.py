@@ -22,6 +22,7 @@ from gateway.telemetry.store import TelemetryStore
 
 logger = logging.getLogger("specgate.gateway")
 
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ReadinessCheck = Callable[[], Awaitable[tuple[bool, str]]]
 
 
@@ -63,6 +64,20 @@ class Services:
             services.readiness["store"] = store.ready
             services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
         return services
+
+    def record_rejection(
+        self, request_id: str, path: str, model: str | None, received_at: float, status: int, code: str | None
+    ) -> None:
+        """A request refused before it was routed (bad JSON, invalid parameters, bad key, rate limit,
+        body too large) still leaves its one record."""
+        endpoint = INFERENCE_PATHS.get(path)
+        if endpoint is None:
+            return
+        rec = RequestRecord(request_id, endpoint, model or "unknown", received_at, stream=False)
+        rec.status, rec.outcome, rec.error_code = status, "error", code
+        rec.finish()
+        self.metrics.observe(rec)
+        self.submit(rec)
 
     def submit(self, record: RequestRecord) -> None:
         """Hand a finished request's record to every sink; a failing sink never fails the request."""

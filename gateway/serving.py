@@ -34,6 +34,7 @@ async def handle(
     key_id: str | None,
 ) -> Response:
     state = request.state
+    state.recorded = True  # from here on, this function leaves the request's record
     rec = RequestRecord(
         state.request_id,
         kind,

@@ -209,3 +209,56 @@ def test_overload_is_503_with_retry_after(
     second.join(60)
     rec = narrow.services.recent.records  # type: ignore[attr-defined]
     assert [r.status for r in rec].count(503) == 1 and rec[-1].status == 200  # the waiting one was served
+
+
+def test_every_refused_request_leaves_exactly_one_record(guarded: LiveGateway, model_name: str) -> None:
+    url = f"{guarded.url}/v1/chat/completions"
+    key = {"authorization": "Bearer k-good"}
+    body = {"model": model_name, "messages": MESSAGES, "max_tokens": 2}
+    cases = {
+        "rej-invalid": (
+            httpx.post(url, json={**body, "temperature": 7}, headers={**key, "x-request-id": "rej-invalid"}),
+            400,
+        ),
+        "rej-json": (
+            httpx.post(
+                url,
+                content=b"{",
+                headers={**key, "x-request-id": "rej-json", "content-type": "application/json"},
+            ),
+            400,
+        ),
+        "rej-key": (httpx.post(url, json=body, headers={"x-request-id": "rej-key"}), 401),
+        "rej-model": (
+            httpx.post(url, json={**body, "model": "zzz"}, headers={**key, "x-request-id": "rej-model"}),
+            404,
+        ),
+        "rej-big": (
+            httpx.post(
+                url, json={**body, "pad": "x" * (5 * 2**20)}, headers={**key, "x-request-id": "rej-big"}
+            ),
+            413,
+        ),
+    }
+
+    def chunked():  # type: ignore[no-untyped-def]
+        yield b'{"model": "m", "pad": "'
+        for _ in range(6):
+            yield b"x" * 2**20
+        yield b'"}'
+
+    cases["rej-chunked"] = (
+        httpx.post(
+            url,
+            content=chunked(),
+            headers={**key, "x-request-id": "rej-chunked", "content-type": "application/json"},
+        ),
+        413,
+    )
+    records = guarded.services.recent.records
+    for rid, (response, status) in cases.items():
+        assert response.status_code == status, rid
+        mine = [r for r in records if r.request_id == rid]
+        assert len(mine) == 1, rid
+        assert mine[0].status == status and mine[0].outcome == "error" and mine[0].endpoint == "chat"
+    assert [r.model for r in records if r.request_id == "rej-invalid"] == [model_name]

@@ -1,0 +1,95 @@
+"""Through a live gateway: one row per request, whatever happens to the database meanwhile."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from gateway.cli import main
+from gateway.telemetry import schema
+from gateway.telemetry.tables import requests
+from tests.gateway.live import start_gateway, tiny_settings
+from tests.gateway.telemetry.tcp_proxy import TcpProxy
+
+
+def rows(url: str) -> dict[str, dict]:
+    engine = schema.make_engine(url)
+    with engine.connect() as conn:
+        out = {r["request_id"]: dict(r) for r in conn.execute(select(requests)).mappings()}
+    engine.dispose()
+    return out
+
+
+def test_every_request_leaves_exactly_one_row_across_a_database_outage(
+    pg_url: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    schema.upgrade(pg_url)
+    real = pg_url.split("@", 1)[1].split("/", 1)[0]
+    host, port = real.split(":")
+    proxy = TcpProxy((host, int(port))).start()
+    telemetry = {
+        "url": pg_url.replace(real, f"127.0.0.1:{proxy.port}"),
+        "spool_path": str(tmp_path / "spool.jsonl"),
+        "flush_interval": 0.02,
+        "retry_interval": 0.1,
+        "spec_steps_sample_rate": 1.0,
+    }
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))
+    model = tiny_llama_dir.name
+
+    def call(i: int) -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": f"n{i} abab abab"}], "max_tokens": 4,
+                "spec": {"method": "ngram"}}
+        if i % 7 == 3:
+            body["temperature"] = 9  # an invalid request still leaves a row
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"x-request-id": f"burst-{i}"}, timeout=60)
+        return r.status_code
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            first = list(pool.map(call, range(40)))
+            proxy.stop()  # PostgreSQL goes away in the middle of the burst
+            second = list(pool.map(call, range(40, 100)))
+            ready = httpx.get(f"{live.url}/readyz").json()
+            assert ready["checks"]["store"]["ok"] is False
+            proxy = TcpProxy((host, int(port)), port=proxy.port).start()
+            third = list(pool.map(call, range(100, 120)))
+        statuses = first + second + third
+        assert statuses.count(400) == sum(1 for i in range(120) if i % 7 == 3)
+        assert set(statuses) == {200, 400}
+        writer = live.services.store.writer  # type: ignore[union-attr]
+        deadline = time.monotonic() + 20
+        while len(rows(pg_url)) < 120 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        metrics = httpx.get(f"{live.url}/metrics").text
+    finally:
+        live.stop()
+        proxy.stop()
+    got = rows(pg_url)
+    assert sorted(got) == sorted(f"burst-{i}" for i in range(120))
+    assert writer.counters.spooled > 0 and writer.counters.dropped == 0
+    assert "specgate_telemetry_rows_spooled_total" in metrics and "specgate_telemetry_rows_dropped_total 0.0" in metrics
+    ok = got["burst-0"]
+    assert ok["status"] == 200 and ok["backend"] == "embedded" and ok["completion_tokens"] == 4
+    assert ok["spec_method"] == "ngram" and ok["policy"] == "static" and ok["e2e_ms"] > 0
+    bad = got["burst-3"]
+    assert bad["status"] == 400 and bad["outcome"] == "error" and bad["error_code"] == "invalid_value"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's exit
+def test_gateway_refuses_an_outdated_postgres_schema(pg_url: str, tiny_llama_dir: Path) -> None:
+    settings = tiny_settings(str(tiny_llama_dir), telemetry={"url": pg_url})
+    with pytest.raises(RuntimeError):
+        start_gateway(settings, timeout=30)
+    assert schema.current_revision(schema.make_engine(pg_url)) is None  # not migrated behind our back
+
+
+def test_serve_preflight_names_the_command(pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPECGATE_TELEMETRY__URL", pg_url)
+    assert main(["serve", "--port", "1"]) == 2
+    assert "specgate db upgrade" in capsys.readouterr().err

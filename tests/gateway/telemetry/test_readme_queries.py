@@ -1,0 +1,54 @@
+"""The SQL questions in README.md run on SQLite and PostgreSQL and give sensible answers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from sqlalchemy import text
+
+from gateway.telemetry import schema
+from gateway.telemetry.spool import Spool
+from gateway.telemetry.writer import TelemetryWriter
+from tests.gateway.telemetry.test_writer import record
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def readme_queries() -> list[str]:
+    body = README.read_text().split("<!-- queries:start -->")[1].split("<!-- queries:end -->")[0]
+    return re.findall(r"```sql\n(.*?)```", body, flags=re.S)
+
+
+def test_readme_has_ten_or_more_queries() -> None:
+    assert len(readme_queries()) >= 10
+
+
+def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
+    schema.upgrade(db_url)
+    w = TelemetryWriter(schema.make_engine(db_url), Spool(tmp_path / "s.jsonl"), flush_interval=0.02,
+                        step_sample_rate=1.0)
+    w.start()
+    for i in range(40):
+        rec = record(i)
+        rec.workload_class = "code" if i % 2 else "open_chat"
+        if i % 4 == 0:  # plain decoding, faster on open chat: ngram "loses" there
+            rec.spec, rec.route["spec"] = {"method": None}, {"method": "off"}
+            rec.completion_tokens = 200
+        if i % 10 == 9:
+            rec.outcome, rec.status, rec.error_code = "error", 503, "overloaded"
+        w.submit(rec)
+    assert w.flush()
+    w.close()
+    engine = schema.make_engine(db_url)
+    with engine.connect() as conn:
+        results = [conn.execute(text(q)).mappings().all() for q in readme_queries()]
+    engine.dispose()
+    losers = results[0]
+    assert [r["workload_class"] for r in losers] == ["open_chat"]
+    by_class = {(r["workload_class"], r["spec_method"]): r for r in results[1]}
+    assert by_class[("code", "ngram")]["acceptance_rate"] == 0.6
+    assert len(results[3]) == 4 and all(r["error_code"] == "overloaded" for r in results[3])
+    assert {r["k_proposed"] for r in results[9]} == {3}
+    if db_url.startswith("postgresql"):
+        assert all(r["p50_ttft_ms"] is not None for r in results[2])
