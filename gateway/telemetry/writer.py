@@ -10,6 +10,7 @@ so rows reach the database in the order they were written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import random
@@ -29,6 +30,7 @@ from gateway.telemetry.spool import Spool
 from gateway.telemetry.tables import requests, spec_steps
 
 logger = logging.getLogger("specgate.telemetry")
+_WAKE: dict[str, Any] = {}  # put on the queue by close() to wake the thread; never written
 
 
 @dataclass(slots=True)
@@ -91,6 +93,8 @@ class TelemetryWriter:
     def close(self, timeout: float = 30.0) -> None:
         """Flush everything (to the database, or the spool if it is down) and stop."""
         self._stop.set()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(_WAKE)  # don't sit out the rest of a flush interval
         self._thread.join(timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -130,20 +134,21 @@ class TelemetryWriter:
                 return
 
     def _take(self) -> list[dict[str, Any]]:
-        try:
-            first = self._queue.get(timeout=self.flush_interval)
-        except queue.Empty:
-            return []
-        batch = [first]
+        batch: list[dict[str, Any]] = []
         deadline = time.monotonic() + self.flush_interval
         while len(batch) < self.batch_size:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stop.is_set():
-                break
             try:
-                batch.append(self._queue.get(timeout=remaining))
+                if self._stop.is_set() or remaining <= 0:
+                    item = self._queue.get_nowait()
+                else:
+                    item = self._queue.get(timeout=remaining)
             except queue.Empty:
                 break
+            if item is _WAKE:
+                self._queue.task_done()
+                continue
+            batch.append(item)
         return batch
 
     def _write(self, batch: list[dict[str, Any]]) -> None:

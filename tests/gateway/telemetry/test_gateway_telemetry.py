@@ -43,11 +43,17 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     model = tiny_llama_dir.name
 
     def call(i: int) -> int:
-        body = {"model": model, "messages": [{"role": "user", "content": f"n{i} abab abab"}], "max_tokens": 4,
-                "spec": {"method": "ngram"}}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"n{i} abab abab"}],
+            "max_tokens": 4,
+            "spec": {"method": "ngram"},
+        }
         if i % 7 == 3:
             body["temperature"] = 9  # an invalid request still leaves a row
-        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"x-request-id": f"burst-{i}"}, timeout=60)
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions", json=body, headers={"x-request-id": f"burst-{i}"}, timeout=60
+        )
         return r.status_code
 
     try:
@@ -73,7 +79,10 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     got = rows(pg_url)
     assert sorted(got) == sorted(f"burst-{i}" for i in range(120))
     assert writer.counters.spooled > 0 and writer.counters.dropped == 0
-    assert "specgate_telemetry_rows_spooled_total" in metrics and "specgate_telemetry_rows_dropped_total 0.0" in metrics
+    assert (
+        "specgate_telemetry_rows_spooled_total" in metrics
+        and "specgate_telemetry_rows_dropped_total 0.0" in metrics
+    )
     ok = got["burst-0"]
     assert ok["status"] == 200 and ok["backend"] == "embedded" and ok["completion_tokens"] == 4
     assert ok["spec_method"] == "ngram" and ok["policy"] == "static" and ok["e2e_ms"] > 0
@@ -93,3 +102,50 @@ def test_serve_preflight_names_the_command(pg_url: str, monkeypatch: pytest.Monk
     monkeypatch.setenv("SPECGATE_TELEMETRY__URL", pg_url)
     assert main(["serve", "--port", "1"]) == 2
     assert "specgate db upgrade" in capsys.readouterr().err
+
+
+def _chat(url: str, model: str, rid: str) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return httpx.post(
+        f"{url}/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=60
+    ).status_code
+
+
+def test_shutdown_flushes_and_a_restart_replays_the_spool(
+    pg_url: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    schema.upgrade(pg_url)
+    real = pg_url.split("@", 1)[1].split("/", 1)[0]
+    host, port = real.split(":")
+    proxy = TcpProxy((host, int(port))).start()
+    spool = str(tmp_path / "spool.jsonl")
+    # A slow flush interval: rows are still queued when the gateway is told to stop.
+    telemetry = {
+        "url": pg_url.replace(real, f"127.0.0.1:{proxy.port}"),
+        "spool_path": spool,
+        "flush_interval": 5.0,
+    }
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))
+    model = tiny_llama_dir.name
+    assert [_chat(live.url, model, f"flush-{i}") for i in range(5)] == [200] * 5
+    live.stop()  # graceful shutdown writes what is queued
+    assert sorted(rows(pg_url)) == [f"flush-{i}" for i in range(5)]
+
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry={**telemetry, "flush_interval": 0.02}))
+    proxy.stop()  # the database goes away: these rows can only reach the spool
+    assert [_chat(live.url, model, f"spooled-{i}") for i in range(5)] == [200] * 5
+    live.stop()
+    assert not [r for r in rows(pg_url) if r.startswith("spooled")]
+    assert Path(spool).exists() and Path(spool).stat().st_size > 0
+
+    proxy = TcpProxy((host, int(port)), port=proxy.port).start()
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))  # restart: replays first
+    deadline = time.monotonic() + 15
+    while len(rows(pg_url)) < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    live.stop()
+    proxy.stop()
+    assert sorted(rows(pg_url)) == sorted(
+        [f"flush-{i}" for i in range(5)] + [f"spooled-{i}" for i in range(5)]
+    )
+    assert not Path(spool).exists()

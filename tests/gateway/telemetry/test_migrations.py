@@ -79,7 +79,9 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     run = [sys.executable, "-m", "gateway.cli", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
     assert "current: 0001" in out.stdout
-    out = subprocess.run([*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
+    )
     assert "current: none" in out.stdout
     # The repository's alembic.ini works with the alembic command itself.
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]

@@ -26,8 +26,9 @@ def test_readme_has_ten_or_more_queries() -> None:
 
 def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
     schema.upgrade(db_url)
-    w = TelemetryWriter(schema.make_engine(db_url), Spool(tmp_path / "s.jsonl"), flush_interval=0.02,
-                        step_sample_rate=1.0)
+    w = TelemetryWriter(
+        schema.make_engine(db_url), Spool(tmp_path / "s.jsonl"), flush_interval=0.02, step_sample_rate=1.0
+    )
     w.start()
     for i in range(40):
         rec = record(i)

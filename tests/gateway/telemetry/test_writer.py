@@ -20,11 +20,21 @@ from tests.gateway.telemetry.tcp_proxy import TcpProxy
 def record(i: int, **kw: object) -> RequestRecord:
     rec = RequestRecord(f"req-{i}", "chat", "m", received_at=time.time() - 1, stream=False, **kw)  # type: ignore[arg-type]
     rec.status, rec.backend = 200, "embedded"
-    rec.route = {"backend": "embedded", "spec": {"method": "ngram", "controller": "goodput", "k_min": 0, "k_max": 8}}
+    rec.route = {
+        "backend": "embedded",
+        "spec": {"method": "ngram", "controller": "goodput", "k_min": 0, "k_max": 8},
+    }
     rec.prompt_tokens, rec.completion_tokens = 10, 20
     rec.first_token_at = rec.received_at + 0.05
-    rec.spec = {"method": "ngram", "num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 9,
-                "acceptance_counts": [5, 3, 1], "mean_acceptance_length": 2.8, "draft_acceptance_rate": 0.6}
+    rec.spec = {
+        "method": "ngram",
+        "num_drafts": 5,
+        "num_draft_tokens": 15,
+        "num_accepted_tokens": 9,
+        "acceptance_counts": [5, 3, 1],
+        "mean_acceptance_length": 2.8,
+        "draft_acceptance_rate": 0.6,
+    }
     rec.spec_steps = [(3, 2, 7, 12.5), (3, 1, 7, 11.0)]
     rec.load = {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}}
     rec.finish()
@@ -147,7 +157,9 @@ def test_sqlite_parallel_writers(sqlite_url: str, tmp_path: Path) -> None:
 
 def test_a_full_queue_spills_to_disk_instead_of_dropping(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
-    w = TelemetryWriter(schema.make_engine(sqlite_url), Spool(tmp_path / "s.jsonl"), max_queue=5, retry_interval=0.05)
+    w = TelemetryWriter(
+        schema.make_engine(sqlite_url), Spool(tmp_path / "s.jsonl"), max_queue=5, retry_interval=0.05
+    )
     for i in range(20):  # the writer thread is not started yet: the queue fills
         w.submit(record(i))
     assert w.counters.spooled == 15 and w.counters.dropped == 0
@@ -162,7 +174,9 @@ def test_a_full_queue_spills_to_disk_instead_of_dropping(sqlite_url: str, tmp_pa
 def test_spool_failure_is_counted_as_dropped(sqlite_url: str, tmp_path: Path) -> None:
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("a file where the spool's directory should be")
-    w = TelemetryWriter(schema.make_engine("postgresql+psycopg://x@127.0.0.1:1/none"), Spool(tmp_path / "ok.jsonl"))
+    w = TelemetryWriter(
+        schema.make_engine("postgresql+psycopg://x@127.0.0.1:1/none"), Spool(tmp_path / "ok.jsonl")
+    )
     w.spool.path = blocked / "spool.jsonl"
     w.start()
     w.submit(record(1))
