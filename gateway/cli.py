@@ -154,6 +154,12 @@ def _preflight_schema(settings: Any) -> None:
         store.engine.dispose()
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve.harness import run
+
+    return run(args)
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from gateway.telemetry import schema
 
@@ -205,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench.add_parser("serve", help="replay workloads through a live gateway and report")
+    from bench.serve.harness import add_arguments
+
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
 
     db = sub.add_parser("db", help="telemetry database schema (Alembic)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])

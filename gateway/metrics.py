@@ -90,6 +90,8 @@ class Metrics:
         self.requests.labels(rec.endpoint, rec.model, backend, str(rec.status), rec.outcome).inc()
         if rec.overhead_ms is not None:
             self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
+        if rec.backend and rec.attempts:
+            self.retries.labels(rec.backend).inc(rec.attempts)
         if rec.outcome != "ok":
             return
         for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):

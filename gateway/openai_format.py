@@ -143,7 +143,9 @@ def metrics_from_stats(stats: RequestStats, route: dict[str, Any]) -> dict[str, 
         "route": route,
     }
     out["spec_decoding"] = spec_decoding(stats)
-    out["spec_token_acceptance_counts"] = out["spec_decoding"]["acceptance_counts"] if stats.spec else None
+    # vLLM's layout: index 0 counts verification steps, index i the drafts accepted at position i.
+    spec = stats.spec
+    out["spec_token_acceptance_counts"] = [spec.num_spec_steps, *spec.acceptance_histogram] if spec else None
     return out
 
 

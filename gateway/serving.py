@@ -69,7 +69,9 @@ async def handle(
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
             _note_backend(svc, rec, call, backend.name, decision.backends)
             streaming = True
-            return EventStreamResponse(_events(svc, rec, call, first, rest))
+            return EventStreamResponse(
+                _events(svc, rec, call, first, rest, backend is not svc.registry.embedded)
+            )
         body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
         _note_backend(svc, rec, call, backend.name, decision.backends)
         if "metrics" not in body or backend is not svc.registry.embedded:
@@ -104,6 +106,7 @@ async def _events(
     call: BackendCall,
     first: dict[str, Any],
     rest: AsyncIterator[dict[str, Any]],
+    external: bool = True,
 ) -> AsyncIterator[bytes]:
     rec.status = 200
     try:
@@ -111,8 +114,8 @@ async def _events(
         while chunk is not None:
             choices = chunk.get("choices")
             final = (choices and choices[0].get("finish_reason")) or (not choices and chunk.get("usage"))
-            if final and "metrics" not in chunk:
-                chunk["metrics"] = _external_metrics(call, None)
+            if final and ("metrics" not in chunk or external):
+                chunk["metrics"] = _external_metrics(call, chunk.get("metrics"))
             yield sse(chunk)
             chunk = await anext(rest, None)
         yield DONE

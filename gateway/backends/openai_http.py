@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from gateway.backends.base import BackendCall, BackendError
-from gateway.backends.breaker import CLOSED, CircuitBreaker
+from gateway.backends.breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from gateway.backends.upstream_stats import capture
 from gateway.settings import BackendSettings
 
@@ -37,6 +37,7 @@ class OpenAIBackend:
         self.probe_ok: bool | None = None
         self.in_flight = 0
         self._probe_task: asyncio.Task[None] | None = None
+        self._trial_call: int | None = None  # id() of the call holding the half-open trial
         s = settings
         self._timeout = httpx.Timeout(
             connect=s.connect_timeout, read=s.read_timeout, write=s.read_timeout, pool=s.connect_timeout
@@ -63,7 +64,11 @@ class OpenAIBackend:
         }
 
     async def start(self) -> None:
-        await self.probe()
+        # A backend whose /models hangs must not hold up the gateway's start for a whole read timeout.
+        try:
+            await asyncio.wait_for(self.probe(), timeout=self.settings.connect_timeout + 1.0)
+        except TimeoutError:
+            self.probe_ok = False
         if self.settings.health_interval > 0:
             self._probe_task = asyncio.create_task(self._probe_loop())
 
@@ -112,6 +117,7 @@ class OpenAIBackend:
         payload = self._payload(call)
         last: BackendError | None = None
         for attempt in range(s.max_retries + 1):
+            half_open = self.breaker.state == HALF_OPEN
             if not self.breaker.allow():
                 raise BackendError(
                     503,
@@ -119,6 +125,8 @@ class OpenAIBackend:
                     retryable=True,
                     retry_after=self.breaker.retry_after(),
                 )
+            if half_open:
+                self._trial_call = id(call)
             call.observed.attempts += 1
             try:
                 request = self.client.build_request(
@@ -150,7 +158,18 @@ class OpenAIBackend:
         assert last is not None
         raise last
 
+    def _end_trial(self, call: BackendCall) -> None:
+        if self._trial_call == id(call):
+            self._trial_call = None
+            self.breaker.trial_in_flight = False  # no verdict: the next request is the trial
+
     async def complete(self, call: BackendCall) -> dict[str, Any]:
+        try:
+            return await self._complete(call)
+        finally:
+            self._end_trial(call)
+
+    async def _complete(self, call: BackendCall) -> dict[str, Any]:
         self.in_flight += 1
         try:
             async with asyncio.timeout(self.settings.total_timeout):
@@ -174,6 +193,7 @@ class OpenAIBackend:
                 502, f"backend {self.name} sent a body that is not JSON", retryable=True
             ) from exc
         self.breaker.record_success()
+        self.probe_ok = True  # it served a request: as good as a health probe
         call.observed.first_token_time = time.time()
         capture(body, call.observed)
         body["model"] = call.model
@@ -207,6 +227,7 @@ class OpenAIBackend:
                 if time.monotonic() > deadline:
                     raise BackendError(504, f"backend {self.name} exceeded its total timeout", code="timeout")
             self.breaker.record_success()
+            self.probe_ok = True
         except (httpx.TransportError, json.JSONDecodeError) as exc:
             self.breaker.record_failure()
             raise BackendError(
@@ -214,6 +235,7 @@ class OpenAIBackend:
             ) from exc
         finally:
             self.in_flight -= 1
+            self._end_trial(call)
             if response is not None:
                 await response.aclose()
 

@@ -1,0 +1,127 @@
+"""Serving metrics as vLLM's `bench serve` reports them, computed from per-request timings.
+
+TTFT: first content token minus send time. TPOT: (E2E - TTFT) / (output tokens - 1). ITL: gaps
+between successive content chunks (a chunk may carry several tokens). Goodput: requests per
+second that met every SLO given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request_id: str
+    category: str
+    arm: str
+    sent_at: float  # perf_counter seconds
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    done_at: float | None = None
+    spec: dict[str, Any] = field(default_factory=dict)  # metrics.spec_decoding from the gateway
+    route: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent_at if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.done_at is None else self.done_at - self.sent_at
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str, float | None]:
+    """mean / p50 / p90 / p99, in ms by default."""
+    xs = [v * scale for v in values if v is not None]
+    out: dict[str, float | None] = {"mean": sum(xs) / len(xs) if xs else None}
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(xs, p)
+    return out
+
+
+def summarize(
+    results: Sequence[RequestResult], duration: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Aggregate one arm's results. `slos` in ms: {"ttft": 500, "tpot": 50, "e2e": 10000}."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if meets(r, slos or {})]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else None,
+        "output_throughput": out_tokens / duration if duration > 0 else None,
+        "total_output_tokens": out_tokens,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "goodput": len(good) / duration if duration > 0 and slos else None,
+        "ttft_ms": distribution(r.ttft for r in ok),
+        "tpot_ms": distribution(r.tpot for r in ok),
+        "itl_ms": distribution(x for r in ok for x in r.itls),
+        "e2e_ms": distribution(r.e2e for r in ok),
+        "spec": spec_summary(ok),
+    }
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    for name, limit_ms in slos.items():
+        value = getattr(r, name)
+        if value is None and name == "tpot":
+            continue  # a one-token answer has no TPOT to miss
+        if value is None or value * 1e3 > limit_ms:
+            return False
+    return True
+
+
+def spec_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """Mean accepted length and acceptance rate over the requests that speculated, per position too."""
+    steps = drafted = accepted = 0
+    by_pos: list[int] = []
+    for r in results:
+        s = r.spec or {}
+        steps += s.get("num_drafts") or 0
+        drafted += s.get("num_draft_tokens") or 0
+        accepted += s.get("num_accepted_tokens") or 0
+        for i, c in enumerate(s.get("acceptance_counts") or []):
+            if i >= len(by_pos):
+                by_pos.append(0)
+            by_pos[i] += c
+    return {
+        "num_drafts": steps,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": (accepted + steps) / steps if steps else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        # Share of verification steps whose i-th draft token was accepted.
+        "acceptance_by_position": [c / steps for c in by_pos] if steps else [],
+    }
