@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
@@ -11,11 +12,11 @@ from bench.serve import arrivals, datasets
 
 def test_poisson_and_gamma_rates() -> None:
     offs = arrivals.poisson(rate=4.0, n=4000, seed=1)
-    gaps = [b - a for a, b in zip(offs, offs[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(offs)]
     assert offs[0] == 0.0 and statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.1)  # exponential: sd = mean
     bursty = arrivals.gamma(rate=4.0, n=4000, burstiness=0.25, seed=1)
-    bgaps = [b - a for a, b in zip(bursty, bursty[1:], strict=False)]
+    bgaps = [b - a for a, b in itertools.pairwise(bursty)]
     assert statistics.mean(bgaps) == pytest.approx(0.25, rel=0.1) and statistics.stdev(
         bgaps
     ) > 1.5 * statistics.stdev(gaps)
@@ -55,7 +56,8 @@ def test_trace_lengths_pick_matching_prompts() -> None:
 def test_custom_jsonl(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "p.jsonl"
     path.write_text(
-        '{"prompt": "hi", "category": "x", "max_tokens": 5}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
+        '{"prompt": "hi", "category": "x", "max_tokens": 5}\n'
+        '\n{"messages": [{"role": "user", "content": "yo"}]}\n'
     )
     reqs = datasets.from_jsonl(path, max_tokens=9)
     assert [(r.category, r.max_tokens) for r in reqs] == [("x", 5), ("custom", 9)]
