@@ -12,10 +12,12 @@ from engine.cpu_linear import PackedLinear, pack_linears, packing_supported
 from engine.engine import Engine
 from engine.model_runner import ForwardItem
 
-pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="oneDNN bf16 unavailable")
+# Packing itself needs oneDNN (fp32 everywhere it exists); bf16 needs a CPU with native bf16.
+pytestmark = pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN unavailable")
+needs_bf16 = pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no native bf16")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 50])
 def test_packed_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
@@ -40,6 +42,7 @@ def test_pack_linears_replaces_every_linear() -> None:
     assert torch.allclose(model(x), ref, atol=1e-5)
 
 
+@needs_bf16
 def test_bf16_engine_packs_by_default_and_tracks_unpacked_logits(make_engine: Callable[..., Engine]) -> None:
     packed = make_engine(dtype="bfloat16")
     plain = make_engine(dtype="bfloat16", pack_linears=False)
@@ -53,6 +56,16 @@ def test_bf16_engine_packs_by_default_and_tracks_unpacked_logits(make_engine: Ca
     scale = logits[1].float().abs().max().item()
     assert (logits[0].float() - logits[1].float()).abs().max().item() <= 0.05 * scale
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_fp32_engine_with_packed_linears_matches_the_plain_engine(make_engine: Callable[..., Engine]) -> None:
+    """Where bf16 is emulated, packing still runs (in fp32): the same logits as torch's kernels."""
+    packed = make_engine(pack_linears=True)
+    plain = make_engine()
+    assert any(isinstance(m, PackedLinear) for m in packed.runner.model.modules())
+    prompt = list(range(5, 45))
+    logits = [e.runner.execute([ForwardItem(prompt, 0, list(range(10)), 3)]) for e in (packed, plain)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 class _Attention(nn.Module):
