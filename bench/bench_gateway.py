@@ -9,8 +9,9 @@ one in turn for the sequential modes, in alternating rounds for the concurrent o
 warm-up; so drift and noise from other work on the machine hit both alike. Modes: sequential
 (non-streaming end to end, and streaming time to first event), and --concurrency requests in
 flight at once (closed loop). `added` is the difference of the two latency distributions'
-quantiles. Beside it: specgate's own `specgate_gateway_overhead_seconds` histogram from /metrics
-(time from arrival to the backend call, so the request half only; quantiles from its buckets).
+quantiles; n is requests per target. Beside it: specgate's own `specgate_gateway_overhead_seconds`
+histogram from /metrics (arrival to backend call, the request half only; quantiles from buckets).
+specgate runs as served (`specgate serve`), its telemetry store on a throwaway SQLite file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
+import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stub_backend import MODEL  # noqa: E402
+from bench.stub_backend import MODEL, free_port, launch  # noqa: E402
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 ANCHORS = (
@@ -41,28 +43,6 @@ ANCHORS = (
     " Goal: p50 < 1 ms, p99 < 5 ms."
 )
 Call = Callable[[], Awaitable[float]]  # one request; returns its latency in seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(cmd: list[str], ready_url: str, timeout: float = 180.0) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}")
-        try:
-            if httpx.get(ready_url, timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{ready_url} did not become ready")
 
 
 def httpx_call(client: httpx.AsyncClient, stream: bool) -> Call:
@@ -88,10 +68,10 @@ def httpx_call(client: httpx.AsyncClient, stream: bool) -> Call:
     return call
 
 
-def openai_call(client: object) -> Call:
+def openai_call(client: Any) -> Call:  # an openai.AsyncOpenAI
     async def call() -> float:
         start = time.perf_counter()
-        await client.chat.completions.create(**BODY)  # type: ignore[attr-defined]
+        await client.chat.completions.create(**BODY)
         return time.perf_counter() - start
 
     return call
@@ -245,17 +225,14 @@ def main() -> None:
     if args.quick:
         args.requests, args.concurrent_requests, args.rounds = 100, 4 * args.concurrency, 2
 
-    stub, gateway = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    stub_port, gw_port = free_port(), free_port()
+    stub, gateway = f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{gw_port}"
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         # As served by default but for the telemetry store, which writes to a throwaway SQLite file.
-        telemetry = {
-            "url": f"sqlite:///{tmp}/telemetry.db",
-            "auto_upgrade": True,
-            "spool_path": f"{tmp}/spool",
-        }
+        telemetry = {"url": f"sqlite:///{tmp}/t.db", "auto_upgrade": True, "spool_path": f"{tmp}/spool"}
         config = {
-            "port": int(gateway.rsplit(":", 1)[1]),
+            "port": gw_port,
             "embedded": {"enabled": False},
             "backends": [{"name": "stub", "base_url": f"{stub}/v1", "models": [MODEL], "health_interval": 0}],
             "telemetry": {"enabled": False} if args.no_telemetry else telemetry,
@@ -263,12 +240,7 @@ def main() -> None:
         cfg = Path(tmp) / "specgate.json"
         cfg.write_text(json.dumps(config))
         try:
-            stub_cmd = [
-                sys.executable,
-                str(ROOT / "bench" / "stub_backend.py"),
-                "--port",
-                stub.rsplit(":")[-1],
-            ]
+            stub_cmd = [sys.executable, str(ROOT / "bench" / "stub_backend.py"), "--port", str(stub_port)]
             procs.append(launch(stub_cmd, f"{stub}/v1/models"))
             gw_cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)]
             procs.append(launch(gw_cmd, f"{gateway}/readyz"))
@@ -282,10 +254,11 @@ def main() -> None:
     print(f"\nstub backend vs specgate (telemetry {tel}), ms; {args.rounds} interleaved rounds per mode")
     head = ["mode", "n", "direct p50", "direct p99", "specgate p50", "specgate p99", "added p50"]
     head += ["added p99", "added mean", "added p50 per round", "req/s direct / specgate"]
-    head += ["specgate-reported overhead mean / p50 / p99"]
+    head += ["specgate-reported pre-dispatch overhead mean / p50 / p99"]
     for row in (head, ["---"] * len(head), *table):
         print("| " + " | ".join(row) + " |")
-    print(f"\n{ANCHORS}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n{ANCHORS}\nclient, stub and specgate share {os.cpu_count()} CPUs here; load average {load}")
 
 
 if __name__ == "__main__":

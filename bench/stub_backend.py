@@ -5,15 +5,20 @@
 A raw ASGI app on uvicorn with uvloop and httptools, so the backend costs as little as possible
 and what a benchmark measures beyond it is the gateway. Serves GET /v1/models and
 POST /v1/chat/completions (JSON, or a few SSE chunks with `stream: true`, plus a usage chunk when
-`stream_options.include_usage` is set).
+`stream_options.include_usage` is set). Also: `launch`, to run a server as its own process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 MODEL = "stub-model"
 WORDS = ["Hello", " there", "!"]
@@ -69,7 +74,8 @@ async def _read_body(receive: Any) -> bytes:
 
 
 async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = _JSON) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    length = (b"content-length", str(len(body)).encode())
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, length]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -95,6 +101,29 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     for event in chunks(bool((req.get("stream_options") or {}).get("include_usage"))):
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(cmd: list[str], ready_url: str, timeout: float = 180.0) -> subprocess.Popen[bytes]:
+    """Start a server process (in the repository root) and wait until `ready_url` answers 200."""
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}")
+        try:
+            if httpx.get(ready_url, timeout=2, trust_env=False).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{ready_url} did not become ready")
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:
