@@ -1,4 +1,8 @@
-"""FastAPI dependencies, as `Annotated` aliases the routers use."""
+"""FastAPI dependencies, as `Annotated` aliases the routers use.
+
+All `async def`: FastAPI runs plain `def` dependencies in a worker thread, two thread hops per
+request that queue behind each other under load (measured: ~100 ms at 100 in flight).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from gateway.errors import APIError
 from gateway.services import Services
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
@@ -19,7 +23,7 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def api_key(request: Request, svc: ServicesDep) -> str | None:
+async def api_key(request: Request, svc: ServicesDep) -> str | None:
     """The caller's key id (for records and the rate limit), after checking the key if keys are set."""
     keys = [k.get_secret_value() for k in svc.settings.api_keys]
     token = bearer_token(request)
@@ -36,7 +40,7 @@ def api_key(request: Request, svc: ServicesDep) -> str | None:
 ApiKeyDep = Annotated[str | None, Depends(api_key)]
 
 
-def admin_key(request: Request, svc: ServicesDep) -> None:
+async def admin_key(request: Request, svc: ServicesDep) -> None:
     key = svc.settings.admin_key
     if key is None:
         raise APIError(

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 
 from gateway.backends.base import Backend
 from gateway.backends.embedded import EmbeddedBackend
@@ -23,7 +23,7 @@ class BackendRegistry:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, client: httpx.AsyncClient, cache_dir: str | None
+        cls, settings: Settings, client: httpx2.AsyncClient, cache_dir: str | None
     ) -> BackendRegistry:
         backends: list[Backend] = []
         if settings.embedded.enabled:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 
 from gateway.auth import RateLimiter
 from gateway.metrics import Metrics
@@ -29,7 +29,7 @@ ReadinessCheck = Callable[[], Awaitable[tuple[bool, str]]]
 @dataclass
 class Services:
     settings: Settings
-    client: httpx.AsyncClient
+    client: httpx2.AsyncClient
     registry: BackendRegistry
     router: Router
     metrics: Metrics
@@ -46,7 +46,7 @@ class Services:
     @classmethod
     def build(cls, settings: Settings, cache_dir: str | None, sink: RecordSink | None = None) -> Services:
         # One pooled client for every external backend; per-backend timeouts are set per request.
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+        client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=200))
         registry = BackendRegistry.from_settings(settings, client, cache_dir)
         store = TelemetryStore(settings.telemetry) if settings.telemetry.enabled else None
         services = cls(

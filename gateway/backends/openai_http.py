@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import httpx2
 
 from gateway.backends.base import BackendCall, BackendError
 from gateway.backends.breaker import CLOSED, HALF_OPEN, CircuitBreaker
@@ -28,7 +28,7 @@ _DROP = ("spec",)  # specgate's own request extensions are not forwarded
 
 
 class OpenAIBackend:
-    def __init__(self, settings: BackendSettings, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: BackendSettings, client: httpx2.AsyncClient) -> None:
         self.settings = settings
         self.name = settings.name
         self.client = client
@@ -39,7 +39,7 @@ class OpenAIBackend:
         self._probe_task: asyncio.Task[None] | None = None
         self._trial_call: int | None = None  # id() of the call holding the half-open trial
         s = settings
-        self._timeout = httpx.Timeout(
+        self._timeout = httpx2.Timeout(
             connect=s.connect_timeout, read=s.read_timeout, write=s.read_timeout, pool=s.connect_timeout
         )
         self._headers = {"authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
@@ -110,7 +110,7 @@ class OpenAIBackend:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
 
-    async def _send(self, call: BackendCall) -> httpx.Response:
+    async def _send(self, call: BackendCall) -> httpx2.Response:
         """One response with a 2xx status, after retries; raises BackendError otherwise."""
         s = self.settings
         url = f"{s.base_url}{_PATHS[call.kind]}"
@@ -133,7 +133,7 @@ class OpenAIBackend:
                     "POST", url, json=payload, headers=self._headers, timeout=self._timeout
                 )
                 response = await self.client.send(request, stream=True)
-            except (httpx.TransportError, OSError) as exc:
+            except (httpx2.TransportError, OSError) as exc:
                 self.breaker.record_failure()
                 last = BackendError(
                     503, f"backend {self.name} is unreachable ({type(exc).__name__})", retryable=True
@@ -178,7 +178,7 @@ class OpenAIBackend:
                     raw = await response.aread()
                 finally:
                     await response.aclose()
-        except (httpx.TransportError, TimeoutError) as exc:
+        except (httpx2.TransportError, TimeoutError) as exc:
             self.breaker.record_failure()
             raise BackendError(
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
@@ -201,7 +201,7 @@ class OpenAIBackend:
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         self.in_flight += 1
-        response: httpx.Response | None = None
+        response: httpx2.Response | None = None
         deadline = time.monotonic() + self.settings.total_timeout
         try:
             response = await self._send(call)
@@ -228,7 +228,7 @@ class OpenAIBackend:
                     raise BackendError(504, f"backend {self.name} exceeded its total timeout", code="timeout")
             self.breaker.record_success()
             self.probe_ok = True
-        except (httpx.TransportError, json.JSONDecodeError) as exc:
+        except (httpx2.TransportError, json.JSONDecodeError) as exc:
             self.breaker.record_failure()
             raise BackendError(
                 503, f"backend {self.name} failed mid-stream ({type(exc).__name__})", retryable=True
@@ -240,7 +240,7 @@ class OpenAIBackend:
                 await response.aclose()
 
 
-async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+async def _sse_data(response: httpx2.Response) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent event stream (multi-line data joined with newlines)."""
     lines: list[str] = []
     async for line in response.aiter_lines():
@@ -254,7 +254,7 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
         yield "\n".join(lines)
 
 
-async def _error_from(response: httpx.Response, name: str) -> BackendError:
+async def _error_from(response: httpx2.Response, name: str) -> BackendError:
     status = response.status_code
     try:
         raw = await response.aread()
