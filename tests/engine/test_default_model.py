@@ -7,10 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
-from engine.cpu_linear import packing_supported
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from gateway.prompting import render_chat
@@ -31,8 +29,7 @@ def test_default_model_loads_offline_and_answers(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "models"
     engine = Engine(EngineConfig(convert_cache_dir=str(cache)))
-    native_bf16 = packing_supported(torch.bfloat16)  # bf16 where the CPU has it natively, else fp32
-    assert engine.config.dtype == ("bfloat16" if native_bf16 else "float32")
+    assert engine.config.dtype == "bfloat16"
     assert engine.model_name == "SmolLM2-135M-Instruct"
     assert "Paris" in _answer(engine, "What is the capital of France?")
     assert any(p.name.startswith("SmolLM2") for p in cache.iterdir())  # converted once, as safetensors
