@@ -19,7 +19,7 @@ import openai
 from tqdm import tqdm
 
 from bench.serve import arrivals, datasets, report
-from bench.serve.metrics import RequestResult, summarize
+from bench.serve.metrics import RequestResult, spec_summary, summarize
 from bench.serve.runner import POLICY, closed_loop, open_loop, send
 
 
@@ -205,18 +205,19 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
 
 
 def by_category(results: list[RequestResult]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per category and arm: mean per-request tokens/s, mean accepted length, the route mix."""
+    """Per category and arm: mean per-request tokens/s, accepted length and rate, the route mix."""
     groups: dict[tuple[str, str], list[RequestResult]] = defaultdict(list)
     for r in results:
         if r.ok and r.e2e:
             groups[(r.category, r.arm)].append(r)
     out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for (cat, arm), rs in groups.items():
-        lens = [float(r.spec["mean_acceptance_length"]) for r in rs if (r.spec or {}).get("num_drafts")]
+        spec = spec_summary(rs)
         out[cat][arm] = {
             "requests": len(rs),
             "tokens_per_s": sum(r.output_tokens / r.e2e for r in rs if r.e2e) / len(rs),
-            "mean_acceptance_length": sum(lens) / len(lens) if lens else None,
+            "mean_acceptance_length": spec["mean_acceptance_length"],
+            "acceptance_rate": spec["acceptance_rate"],
             "route_mix": dict(Counter((r.route.get("spec") or {}).get("method") or "off" for r in rs)),
         }
     return dict(out)

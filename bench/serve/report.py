@@ -53,7 +53,7 @@ def markdown(report: dict[str, Any]) -> str:
         arms = sorted({a for per in cats.values() for a in per})
         lines += [
             "",
-            "## Per category (output tokens/s per request, mean; ratio to plain)",
+            "## Per category (tokens/s per request, mean; ratio to plain; accepted length / acceptance rate)",
             "",
             "| category | " + " | ".join(arms) + " | route mix (policy arm) |",
             "|---|" + "---|" * len(arms) + "---|",
@@ -65,8 +65,9 @@ def markdown(report: dict[str, Any]) -> str:
                 c = per.get(a) or {}
                 tps = c.get("tokens_per_s")
                 ratio = f" ({tps / base:.2f}x)" if tps and base else ""
-                acc = c.get("mean_acceptance_length")
-                cells.append(f"{fmt(tps)}{ratio}" + (f", len {acc:.2f}" if acc else ""))
+                acc, rate = c.get("mean_acceptance_length"), c.get("acceptance_rate")
+                spec = f", len {acc:.2f} / {rate:.0%}" if acc and rate is not None else ""
+                cells.append(f"{fmt(tps)}{ratio}{spec}")
             mix = (per.get("policy") or {}).get("route_mix") or {}
             lines.append(
                 f"| {cat} | " + " | ".join(cells) + f" | {', '.join(f'{k} {v}' for k, v in mix.items())} |"

@@ -81,3 +81,13 @@ def tiny_settings(model_dir: str, **overrides: Any) -> Settings:
     embedded = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_blocks": 256, "block_size": 4}
     embedded.update(overrides.pop("embedded", {}))
     return Settings(embedded=embedded, port=0, **overrides)
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll until `predicate()` holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import LiveGateway, wait_for
 
 BODY = {
     "messages": [{"role": "user", "content": "tell me everything"}],
@@ -32,12 +32,7 @@ def slow_engine(gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch):  # type:
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+    return wait_for(cond, timeout, interval=0.01)
 
 
 def test_stream_disconnect_frees_blocks(gateway: LiveGateway, model_name: str, slow_engine) -> None:  # type: ignore[no-untyped-def]

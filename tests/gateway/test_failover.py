@@ -23,7 +23,7 @@ from tests.gateway.fake_upstream import (
     openai_client,
     running_gateway,
 )
-from tests.gateway.live import LiveGateway, free_port
+from tests.gateway.live import LiveGateway, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,15 +79,6 @@ def breaker(live: LiveGateway, name: str) -> str:
 
 def metrics(live: LiveGateway) -> str:
     return HTTP.get(f"{live.url}/metrics").text
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 # ---- failover before the first byte --------------------------------------------------------------

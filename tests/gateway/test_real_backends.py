@@ -25,7 +25,7 @@ import pytest
 from engine.loader import default_model_source
 from gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, backend, metric_value, openai_client, running_gateway
-from tests.gateway.live import LiveGateway, free_port, start_gateway, tiny_settings
+from tests.gateway.live import LiveGateway, free_port, start_gateway, tiny_settings, wait_for
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is a dev dependency")
 
@@ -165,15 +165,6 @@ def readyz_backend(live: LiveGateway, name: str) -> dict[str, Any]:
 
 def requests_count(live: LiveGateway, **labels: str) -> float | None:
     return metric_value(HTTP.get(f"{live.url}/metrics").text, "specgate_requests_total", **labels)
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 # ---- listing -------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from tests.gateway.fake_upstream import (
     openai_client,
     running_gateway,
 )
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import LiveGateway, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,15 +85,6 @@ def readyz(live: LiveGateway) -> dict[str, Any]:
 
 def metrics_text(live: LiveGateway) -> str:
     return HTTP.get(f"{live.url}/metrics").text
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 Shared = tuple[LiveGateway, FakeUpstream]

@@ -25,6 +25,10 @@ class TcpProxy:
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
 
+    def restarted(self) -> TcpProxy:
+        """A new proxy on the same port to the same target: the database is back."""
+        return TcpProxy(self.target, port=self.port).start()
+
     def stop(self) -> None:
         """Refuse new connections and cut every open one."""
         if self._listener is not None:
@@ -66,3 +70,11 @@ class TcpProxy:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+
+
+def behind_proxy(url: str) -> tuple[TcpProxy, str]:
+    """A proxy in front of the database at `url`, and the URL that goes through it."""
+    real = url.split("@", 1)[1].split("/", 1)[0]
+    host, port = real.split(":")
+    proxy = TcpProxy((host, int(port))).start()
+    return proxy, url.replace(real, f"127.0.0.1:{proxy.port}")

@@ -14,7 +14,7 @@ from gateway.cli import main
 from gateway.telemetry import schema
 from gateway.telemetry.tables import requests
 from tests.gateway.live import start_gateway, tiny_settings
-from tests.gateway.telemetry.tcp_proxy import TcpProxy
+from tests.gateway.telemetry.tcp_proxy import behind_proxy
 
 
 def rows(url: str) -> dict[str, dict]:
@@ -29,11 +29,9 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     pg_url: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     schema.upgrade(pg_url)
-    real = pg_url.split("@", 1)[1].split("/", 1)[0]
-    host, port = real.split(":")
-    proxy = TcpProxy((host, int(port))).start()
+    proxy, via_proxy = behind_proxy(pg_url)
     telemetry = {
-        "url": pg_url.replace(real, f"127.0.0.1:{proxy.port}"),
+        "url": via_proxy,
         "spool_path": str(tmp_path / "spool.jsonl"),
         "flush_interval": 0.02,
         "retry_interval": 0.1,
@@ -63,7 +61,7 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
             second = list(pool.map(call, range(40, 100)))
             ready = httpx.get(f"{live.url}/readyz").json()
             assert ready["checks"]["store"]["ok"] is False
-            proxy = TcpProxy((host, int(port)), port=proxy.port).start()
+            proxy = proxy.restarted()
             third = list(pool.map(call, range(100, 120)))
         statuses = first + second + third
         assert statuses.count(400) == sum(1 for i in range(120) if i % 7 == 3)
@@ -115,13 +113,11 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
     pg_url: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     schema.upgrade(pg_url)
-    real = pg_url.split("@", 1)[1].split("/", 1)[0]
-    host, port = real.split(":")
-    proxy = TcpProxy((host, int(port))).start()
+    proxy, via_proxy = behind_proxy(pg_url)
     spool = str(tmp_path / "spool.jsonl")
     # A slow flush interval: rows are still queued when the gateway is told to stop.
     telemetry = {
-        "url": pg_url.replace(real, f"127.0.0.1:{proxy.port}"),
+        "url": via_proxy,
         "spool_path": spool,
         "flush_interval": 5.0,
     }
@@ -138,7 +134,7 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
     assert not [r for r in rows(pg_url) if r.startswith("spooled")]
     assert Path(spool).exists() and Path(spool).stat().st_size > 0
 
-    proxy = TcpProxy((host, int(port)), port=proxy.port).start()
+    proxy = proxy.restarted()
     live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))  # restart: replays first
     deadline = time.monotonic() + 15
     while len(rows(pg_url)) < 10 and time.monotonic() < deadline:

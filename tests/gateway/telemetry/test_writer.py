@@ -14,7 +14,7 @@ from gateway.telemetry import schema
 from gateway.telemetry.spool import Spool
 from gateway.telemetry.tables import requests, spec_steps
 from gateway.telemetry.writer import TelemetryWriter
-from tests.gateway.telemetry.tcp_proxy import TcpProxy
+from tests.gateway.telemetry.tcp_proxy import behind_proxy
 
 
 def record(i: int, **kw: object) -> RequestRecord:
@@ -87,10 +87,7 @@ def test_spec_steps_are_off_by_default(sqlite_url: str, tmp_path: Path) -> None:
 
 def test_database_down_during_a_burst_loses_nothing(pg_url: str, tmp_path: Path) -> None:
     schema.upgrade(pg_url)
-    real = pg_url.split("@", 1)[1].split("/", 1)[0]
-    host, port = real.split(":")
-    proxy = TcpProxy((host, int(port))).start()
-    via_proxy = pg_url.replace(real, f"127.0.0.1:{proxy.port}")
+    proxy, via_proxy = behind_proxy(pg_url)
     w = writer_for(via_proxy, tmp_path / "spool.jsonl", batch_size=16)
     for i in range(100):
         w.submit(record(i))
@@ -103,7 +100,7 @@ def test_database_down_during_a_burst_loses_nothing(pg_url: str, tmp_path: Path)
     assert w.flush()
     assert w.counters.spooled > 0 and not w.db_up
     assert count(pg_url) < 400
-    proxy = TcpProxy((host, int(port)), port=proxy.port).start()  # it comes back
+    proxy = proxy.restarted()  # it comes back
     for i in range(400, 450):
         w.submit(record(i))
     deadline = time.monotonic() + 15
