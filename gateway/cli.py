@@ -9,9 +9,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from platformdirs import user_cache_dir
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
 
 logger = logging.getLogger("specgate")
 
@@ -137,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight_schema(settings: Any) -> None:
+def _preflight_schema(settings: Settings) -> None:
     """Refuse to start on an outdated telemetry schema with a message, not a traceback."""
     from gateway.telemetry.schema import SchemaOutdatedError, ensure_schema
     from gateway.telemetry.store import TelemetryStore
@@ -214,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_serve = bench.add_parser("serve", help="replay workloads through a live gateway and report")
-    from bench.serve.harness import add_arguments
+    from bench.serve.options import add_arguments
 
     add_arguments(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)

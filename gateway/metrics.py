@@ -109,6 +109,11 @@ class Metrics:
             if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
                 self.acceptance_length.labels(rec.model, method).observe(spec["mean_acceptance_length"])
 
+    def refresh_engine(self, waiting: int, running: int, kv_usage: float) -> None:
+        self.queue_depth.set(waiting)
+        self.batch_size.set(running)
+        self.kv_usage.set(kv_usage)
+
     def refresh_backends(self, status: dict[str, dict[str, Any]]) -> None:
         for name, st in status.items():
             self.backend_up.labels(name).set(1 if st.get("healthy") else 0)

@@ -20,6 +20,10 @@ logger = logging.getLogger("specgate.gateway")
 class BackendRegistry:
     def __init__(self, backends: list[Backend]) -> None:
         self._backends = {b.name: b for b in backends}
+        # At most one in-process engine; looked up on every request, so found once here.
+        self.embedded: EmbeddedBackend | None = next(
+            (b for b in backends if isinstance(b, EmbeddedBackend)), None
+        )
 
     @classmethod
     def from_settings(
@@ -36,13 +40,6 @@ class BackendRegistry:
 
     def get(self, name: str) -> Backend | None:
         return self._backends.get(name)
-
-    @property
-    def embedded(self) -> EmbeddedBackend | None:
-        for b in self._backends.values():
-            if isinstance(b, EmbeddedBackend):
-                return b
-        return None
 
     def serving(self, model: str) -> list[Backend]:
         return [b for b in self._backends.values() if model in b.model_ids()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -40,8 +39,6 @@ class Services:
     # Extra readiness checks by name (the telemetry store adds "store").
     readiness: dict[str, ReadinessCheck] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
-    _refresher: asyncio.Task[None] | None = None
-    _hook: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, settings: Settings, cache_dir: str | None, sink: RecordSink | None = None) -> Services:
@@ -94,37 +91,20 @@ class Services:
         if self.store is not None:
             await asyncio.to_thread(self.store.open)
         await self.registry.start()
-        embedded = self.registry.embedded
-        if embedded is not None:
-            embedded_ready = embedded.wait_ready
-
-            async def hook() -> None:
-                await embedded_ready()
-                if embedded.worker is not None:
-                    embedded.worker.on_step = self._on_step
-
-            self._hook = asyncio.create_task(hook())
-        self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
         await self.registry.close()
         await self.client.aclose()
         if self.store is not None:
             await asyncio.to_thread(self.store.close)  # flushes every queued row first
 
-    def _on_step(self, load: Any) -> None:
-        self.metrics.queue_depth.set(load.num_waiting)
-        self.metrics.batch_size.set(load.num_running)
-        self.metrics.kv_usage.set(load.kv_usage)
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            self.metrics.refresh_backends(self.registry.status())
-            await asyncio.sleep(1.0)
+    def refresh_gauges(self) -> None:
+        """Set the load and health gauges from their sources; called when /metrics is scraped."""
+        self.metrics.refresh_backends(self.registry.status())
+        embedded = self.registry.embedded
+        if embedded is not None and embedded.worker is not None:
+            w = embedded.worker
+            self.metrics.refresh_engine(w.num_waiting, w.load.num_running, w.load.kv_usage)
 
     def load_snapshot(self) -> dict[str, Any]:
         """The load at a request's arrival, recorded with it (the policy learns from it)."""

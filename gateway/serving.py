@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import dispatch
-from gateway.backends.base import BackendCall, BackendError, Kind, Observation
+from gateway.backends.base import Backend, BackendCall, BackendError, Kind, Observation
 from gateway.disconnect import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
 from gateway.errors import APIError
 from gateway.records import RequestRecord
@@ -67,17 +67,14 @@ async def handle(
         rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
         if parsed.stream:
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
-            _note_backend(svc, rec, call, backend.name, decision.backends)
+            external = _note_backend(svc, rec, call, backend, decision.backends)
             streaming = True
-            return EventStreamResponse(
-                _events(svc, rec, call, first, rest, backend is not svc.registry.embedded)
-            )
+            return EventStreamResponse(_events(svc, rec, call, first, rest, external))
         body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
-        _note_backend(svc, rec, call, backend.name, decision.backends)
-        if "metrics" not in body or backend is not svc.registry.embedded:
+        if _note_backend(svc, rec, call, backend, decision.backends):
+            # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
             body["metrics"] = _external_metrics(call, body.get("metrics"))
         rec.status = 200
-        _observe(rec, call.observed)
         return JSONResponse(body)
     except ClientDisconnected:
         rec.status, rec.outcome = 499, "cancelled"
@@ -106,7 +103,7 @@ async def _events(
     call: BackendCall,
     first: dict[str, Any],
     rest: AsyncIterator[dict[str, Any]],
-    external: bool = True,
+    external: bool,
 ) -> AsyncIterator[bytes]:
     rec.status = 200
     try:
@@ -138,13 +135,17 @@ async def _events(
         _close(svc, rec, call)
 
 
-def _note_backend(svc: Services, rec: RequestRecord, call: BackendCall, name: str, order: list[str]) -> None:
-    rec.backend = name
-    call.route["backend"] = name
-    if svc.registry.embedded is None or name != svc.registry.embedded.name:
+def _note_backend(
+    svc: Services, rec: RequestRecord, call: BackendCall, backend: Backend, order: list[str]
+) -> bool:
+    """Record which backend took the call; whether it is an external one."""
+    rec.backend = call.route["backend"] = backend.name
+    external = backend is not svc.registry.embedded
+    if external:
         call.route["spec"] = None  # an external backend decides its own speculation
-    if order and name != order[0]:
+    if order and backend.name != order[0]:
         svc.metrics.failovers.labels(call.model).inc()
+    return external
 
 
 def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any]:

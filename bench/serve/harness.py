@@ -23,36 +23,6 @@ from bench.serve.metrics import RequestResult, spec_summary, summarize
 from bench.serve.runner import POLICY, closed_loop, open_loop, send
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None, help="a running gateway (default: start one here)")
-    p.add_argument("--model", default=None, help="gateway started here: its embedded model (default SmolLM2)")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--model-name", default=None, help="model to request (default: the first /v1/models)")
-    p.add_argument("--categories", default=",".join(datasets.CATEGORIES))
-    p.add_argument("--dataset-path", default=None, help="JSONL of prompts instead of the shipped categories")
-    p.add_argument("--per-category", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--arms", default="policy,plain,ngram,suffix", help="policy, plain, or a proposer name")
-    p.add_argument(
-        "--arrival", default="closed", choices=["closed", "poisson", "gamma", "azure-code", "azure-conv"]
-    )
-    p.add_argument("--concurrency", default="1,4", help="closed loop: comma-separated load points")
-    p.add_argument("--rate", default="0.5", help="open loop: requests/s, comma-separated load points")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="open loop cap on requests in flight")
-    p.add_argument("--trace-max-context", type=int, default=1024, help="trace replay: cap on prompt tokens")
-    p.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=1000,tpot=100")
-    p.add_argument("--hf-baselines", action="store_true", help="batch-1 Hugging Face generate rows")
-    p.add_argument("--hf-draft-model", default=None, help="draft model directory for HF assisted generation")
-    p.add_argument("--out", default="bench-out")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument(
-        "--quick", action="store_true", help="about a minute: 1 prompt per category, short answers"
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.per_category, args.max_tokens, args.concurrency, args.arms = 1, 32, "1", "policy,plain,ngram"
@@ -102,14 +72,15 @@ def _requests(args: argparse.Namespace) -> list[datasets.BenchRequest]:
     return datasets.shipped(args.per_category, args.max_tokens, args.categories.split(","))
 
 
-def _points(args: argparse.Namespace, n: int) -> list[tuple[str, list[float] | int]]:
+def _points(
+    args: argparse.Namespace, n: int, trace: list[arrivals.TraceRequest] | None
+) -> list[tuple[str, list[float] | int]]:
     """(label, offsets or concurrency) per load point."""
     if args.arrival == "closed":
         return [(f"c={c}", int(c)) for c in args.concurrency.split(",")]
     out: list[tuple[str, list[float] | int]] = []
     for rate in (float(r) for r in args.rate.split(",")):
-        if args.arrival.startswith("azure"):
-            trace = arrivals.load_trace(args.arrival.split("-")[1], limit=n)
+        if trace is not None:
             out.append((f"{args.arrival}@{rate}/s", arrivals.scale_trace(trace, rate)))
         else:
             burst = 1.0 if args.arrival == "poisson" else args.burstiness
@@ -126,6 +97,7 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
     )
     model = args.model_name or (await client.models.list()).data[0].id
     reqs = _requests(args)
+    trace = None
     if args.arrival.startswith("azure"):
         trace = arrivals.load_trace(args.arrival.split("-")[1], limit=len(reqs))
         reqs = datasets.match_lengths(
@@ -135,7 +107,7 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
             args.max_tokens,
         )
     arms = args.arms.split(",")
-    points = _points(args, len(reqs))
+    points = _points(args, len(reqs), trace)
     slos = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(",") if kv)}
     run_id = uuid.uuid4().hex[:8]
     bar = tqdm(total=len(reqs) * len(arms) * len(points), desc="bench serve", unit="req")

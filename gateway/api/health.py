@@ -37,5 +37,5 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(svc: ServicesDep) -> Response:
-    svc.metrics.refresh_backends(svc.registry.status())
+    svc.refresh_gauges()
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

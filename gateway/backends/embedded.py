@@ -7,7 +7,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -37,6 +37,7 @@ class EmbeddedBackend:
         self.load_error: str | None = None
         self._loading: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        self._token_text: Callable[[int], str] = str  # the engine's per-token text, once it is loaded
 
     @property
     def engine(self) -> Engine | None:
@@ -90,6 +91,8 @@ class EmbeddedBackend:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("embedded engine failed to load")
             return
+        # One cache for the backend's life: logprobs name the same tokens request after request.
+        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: engine.tokenizer.decode([t]))
         self.worker = EngineWorker(engine, asyncio.get_running_loop())
         self.worker.start()
         logger.info("embedded engine ready: %s (%s on %s)", self.served_name, cfg.dtype, cfg.device)
@@ -174,9 +177,6 @@ class EmbeddedBackend:
                 )
             )
 
-    def _text_of(self, engine: Engine) -> Any:
-        return functools.lru_cache(maxsize=4096)(lambda t: engine.tokenizer.decode([t]))
-
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         prep, q = self._submit(call)
         text, lps, final = [], [], None
@@ -200,8 +200,7 @@ class EmbeddedBackend:
         finish: str | None,
         use: dict[str, int],
     ) -> dict[str, Any]:
-        rid, model = prep.response_id, call.model
-        text_of = self._text_of(self.worker.engine) if self.worker else str
+        rid, model, text_of = prep.response_id, call.model, self._token_text
         if call.kind == "completion":
             logprobs = None
             if prep.logprobs is not None:
@@ -215,7 +214,7 @@ class EmbeddedBackend:
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         prep, q = self._submit(call)
-        chunks = _ChunkWriter(call, prep, self._text_of(self.worker.engine) if self.worker else str)
+        chunks = _ChunkWriter(call, prep, self._token_text)
         outputs = self._outputs(call, q)
         try:
             async for out in outputs:

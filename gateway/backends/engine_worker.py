@@ -11,7 +11,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,6 @@ class EngineWorker:
         self._pending = 0  # submitted, not yet taken by the engine thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specgate-engine", daemon=True)
-        self.on_step: Callable[[Load], None] | None = None  # called on the event loop after each step
 
     def start(self) -> None:
         self._thread.start()
@@ -160,5 +158,3 @@ class EngineWorker:
             q.put_nowait(item)
             if isinstance(item, BaseException) or item.finished:
                 del self._queues[request_id]
-        if self.on_step is not None:
-            self.on_step(self.load)

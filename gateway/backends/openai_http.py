@@ -17,7 +17,7 @@ from typing import Any
 import httpx2
 
 from gateway.backends.base import BackendCall, BackendError
-from gateway.backends.breaker import CLOSED, HALF_OPEN, CircuitBreaker
+from gateway.backends.breaker import CLOSED, CircuitBreaker
 from gateway.backends.upstream_stats import capture
 from gateway.settings import BackendSettings
 
@@ -37,7 +37,6 @@ class OpenAIBackend:
         self.probe_ok: bool | None = None
         self.in_flight = 0
         self._probe_task: asyncio.Task[None] | None = None
-        self._trial_call: int | None = None  # id() of the call holding the half-open trial
         s = settings
         self._timeout = httpx2.Timeout(
             connect=s.connect_timeout, read=s.read_timeout, write=s.read_timeout, pool=s.connect_timeout
@@ -117,16 +116,13 @@ class OpenAIBackend:
         payload = self._payload(call)
         last: BackendError | None = None
         for attempt in range(s.max_retries + 1):
-            half_open = self.breaker.state == HALF_OPEN
-            if not self.breaker.allow():
+            if not self.breaker.allow(owner=call):
                 raise BackendError(
                     503,
                     f"backend {self.name} is unavailable (circuit open)",
                     retryable=True,
                     retry_after=self.breaker.retry_after(),
                 )
-            if half_open:
-                self._trial_call = id(call)
             call.observed.attempts += 1
             try:
                 request = self.client.build_request(
@@ -158,16 +154,11 @@ class OpenAIBackend:
         assert last is not None
         raise last
 
-    def _end_trial(self, call: BackendCall) -> None:
-        if self._trial_call == id(call):
-            self._trial_call = None
-            self.breaker.trial_in_flight = False  # no verdict: the next request is the trial
-
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         try:
             return await self._complete(call)
         finally:
-            self._end_trial(call)
+            self.breaker.release(call)
 
     async def _complete(self, call: BackendCall) -> dict[str, Any]:
         self.in_flight += 1
@@ -235,7 +226,7 @@ class OpenAIBackend:
             ) from exc
         finally:
             self.in_flight -= 1
-            self._end_trial(call)
+            self.breaker.release(call)
             if response is not None:
                 await response.aclose()
 

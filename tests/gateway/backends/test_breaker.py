@@ -141,3 +141,22 @@ def test_default_clock_is_monotonic_time() -> None:
     b.record_failure()
     assert b.state == OPEN
     assert 0.0 < b.retry_after() <= 0.05
+
+
+def test_only_the_trial_owner_releases_an_unresolved_trial(clock: FakeClock) -> None:
+    b = make(clock, failures=1, cooldown=1.0)
+    open_breaker(b)
+    clock.advance(1.0)
+    first, second, third = object(), object(), object()
+    assert b.allow(owner=first) and not b.allow(owner=second)
+    b.release(second)  # not the owner: nothing changes
+    assert not b.allow(owner=second)
+    b.release(first)  # cancelled without a verdict: the next request becomes the trial
+    assert b.allow(owner=second)
+    b.record_failure()  # second's verdict reopens the breaker
+    clock.advance(1.0)
+    assert b.allow(owner=third)
+    b.release(second)  # a stale owner cannot free third's trial
+    assert not b.allow(owner=first)
+    b.release(third)
+    assert b.allow(owner=first)
