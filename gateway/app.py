@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.api import chat, completions, health, models
+from gateway.api import admin_ops, admin_policy, chat, completions, health, models
 from gateway.errors import install_error_handlers
 from gateway.middleware import GatewayMiddleware
 from gateway.records import RecordSink
@@ -33,9 +33,9 @@ def create_app(
         finally:
             await services.close()
 
-    app = FastAPI(title="specgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="specgate", version="0.1.0", lifespan=lifespan, redoc_url=None)
     install_error_handlers(app)
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, models, health, admin_policy, admin_ops):
         app.include_router(module.router)
     app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
     return app

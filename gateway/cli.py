@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from platformdirs import user_cache_dir
 
+from gateway.cli_policy import add_policy_parser
+
 if TYPE_CHECKING:
     from gateway.settings import Settings
 
@@ -229,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default=None, help="database URL (default $SPECGATE_TELEMETRY__URL or the SQLite file)"
     )
     db.set_defaults(func=cmd_db)
+    add_policy_parser(sub)
     return parser
 
 

@@ -46,8 +46,14 @@ async def admin_key(request: Request, svc: ServicesDep) -> None:
         raise APIError(
             403, "The admin API is disabled: set an admin key to enable it.", code="admin_disabled"
         )
-    if not check_key(bearer_token(request), [key.get_secret_value()]):
-        raise unauthorized("Incorrect admin key provided.")
+    token = bearer_token(request)
+    if token is None:
+        raise unauthorized("The admin API needs the admin key as 'Authorization: Bearer <key>'.")
+    if check_key(token, [key.get_secret_value()]):
+        return
+    if check_key(token, [k.get_secret_value() for k in svc.settings.api_keys]):
+        raise APIError(403, "This API key may call /v1 but not the admin API.", code="forbidden")
+    raise unauthorized("Incorrect admin key provided.")
 
 
 AdminDep = Annotated[None, Depends(admin_key)]

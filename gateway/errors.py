@@ -114,6 +114,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         error = _validation_error(exc)
+        if request.url.path.startswith("/admin/"):
+            error.status = 422  # the admin API speaks FastAPI's dialect; /v1 speaks OpenAI's (400)
         await _record_rejection(request, error)
         return error.response()
 

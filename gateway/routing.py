@@ -27,10 +27,12 @@ class RouteDecision:
     features: dict[str, Any] = field(default_factory=dict)
     workload_class: str | None = None
     class_confidence: float | None = None
+    explored: bool = False
+    predictions: dict[str, dict[str, float]] = field(default_factory=dict)  # per arm, learned policies
 
     def as_dict(self, backend: str | None = None) -> dict[str, Any]:
         spec = self.spec.model_dump() if self.spec is not None else {"method": "off"}
-        return {
+        out: dict[str, Any] = {
             "backend": backend,
             "candidates": list(self.backends),
             "spec": spec,
@@ -38,6 +40,12 @@ class RouteDecision:
             "policy_version": self.policy_version,
             "reason": self.reason,
         }
+        if self.workload_class is not None:
+            out["workload_class"] = self.workload_class
+            out["explored"] = self.explored
+        if self.predictions:
+            out["predictions"] = self.predictions
+        return out
 
 
 class Router(Protocol):
@@ -50,31 +58,41 @@ class StaticRouter:
         self.registry = registry
 
     def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision:
-        model = request.model
-        configured = self.settings.routes.get(model)
-        if configured is not None and configured.backends:
-            names = list(configured.backends)
-            reason = "configured route"
-        else:
-            names = [b.name for b in self.registry.serving(model)]
-            reason = "backends serving the model, in configured order"
-        if not names:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist or is not served here.",
-                code="model_not_found",
-                param="model",
-            )
+        names, reason = candidate_backends(self.settings, self.registry, request.model)
+        configured = self.settings.routes.get(request.model)
         spec = (
             configured.spec
             if configured is not None and configured.spec is not None
             else self.settings.embedded.spec
         )
         if request.spec is not None:
-            overrides = request.spec.model_dump(exclude_none=True)
-            try:
-                spec = SpecSettings(**{**spec.model_dump(), **overrides})
-            except ValueError as exc:
-                raise APIError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc
+            spec = requested_spec(spec, request)
             reason += "; speculation set by the request"
-        return RouteDecision(model=model, backends=names, spec=spec, reason=reason)
+        return RouteDecision(model=request.model, backends=names, spec=spec, reason=reason)
+
+
+def candidate_backends(settings: Settings, registry: BackendRegistry, model: str) -> tuple[list[str], str]:
+    """The backends that may serve `model`, in preference order, and why; 404 if there are none."""
+    configured = settings.routes.get(model)
+    if configured is not None and configured.backends:
+        names, reason = list(configured.backends), "configured route"
+    else:
+        names, reason = [b.name for b in registry.serving(model)], "backends serving the model"
+    if not names:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist or is not served here.",
+            code="model_not_found",
+            param="model",
+        )
+    return names, reason
+
+
+def requested_spec(base: SpecSettings, request: ChatCompletionRequest | CompletionRequest) -> SpecSettings:
+    """`base` with the request's own `spec` extension applied; 400 if the result is invalid."""
+    assert request.spec is not None
+    overrides = request.spec.model_dump(exclude_none=True)
+    try:
+        return SpecSettings(**{**base.model_dump(), **overrides})
+    except ValueError as exc:
+        raise APIError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc

@@ -7,17 +7,23 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx2
 
 from gateway.auth import RateLimiter
 from gateway.metrics import Metrics
+from gateway.policy_manager import PolicyManager
+from gateway.policy_router import PolicyRouter
 from gateway.records import MemorySink, RecordSink, RequestRecord
 from gateway.registry import BackendRegistry
 from gateway.routing import Router, StaticRouter
 from gateway.settings import Settings
+from gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
 from gateway.telemetry.store import TelemetryStore
+from policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
+from policies.load import BackendLoad, LoadSignals
 
 logger = logging.getLogger("specgate.gateway")
 
@@ -35,6 +41,7 @@ class Services:
     recent: MemorySink  # the latest records, in memory
     store: TelemetryStore | None  # durable rows (SQLite / PostgreSQL)
     limiter: RateLimiter
+    policy: PolicyManager | None = None  # None: the static router
     extra_sinks: list[RecordSink] = field(default_factory=list)
     # Extra readiness checks by name (the telemetry store adds "store").
     readiness: dict[str, ReadinessCheck] = field(default_factory=dict)
@@ -57,6 +64,14 @@ class Services:
             limiter=RateLimiter(settings.rate_limit_rpm),
             extra_sinks=[sink] if sink is not None else [],
         )
+        if settings.policy.enabled:
+            path = settings.policy.classifier_path
+            classifier = WorkloadClassifier.load(Path(path) if path else DEFAULT_ARTIFACT)
+            versions = SqlPolicyStore(store.engine) if store is not None else MemoryPolicyStore()
+            services.policy = PolicyManager(settings.policy, versions, persistent=store is not None)
+            services.router = PolicyRouter(
+                settings, registry, classifier, services.policy, services.load_signals
+            )
         if store is not None:
             services.readiness["store"] = store.ready
             services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
@@ -90,9 +105,14 @@ class Services:
     async def start(self) -> None:
         if self.store is not None:
             await asyncio.to_thread(self.store.open)
+        if self.policy is not None:
+            await asyncio.to_thread(self.policy.load)  # warm start from the active version
+            self.policy.start()
         await self.registry.start()
 
     async def close(self) -> None:
+        if self.policy is not None:
+            await self.policy.close()
         await self.registry.close()
         await self.client.aclose()
         if self.store is not None:
@@ -105,6 +125,25 @@ class Services:
         if embedded is not None and embedded.worker is not None:
             w = embedded.worker
             self.metrics.refresh_engine(w.num_waiting, w.load.num_running, w.load.kv_usage)
+
+    def load_signals(self) -> LoadSignals:
+        """What the routing policy reads of the current load."""
+        backends = {
+            b.name: BackendLoad(getattr(b, "in_flight", 0), getattr(b, "latency_ewma_ms", None), b.healthy)
+            for b in self.registry
+        }
+        embedded = self.registry.embedded
+        if embedded is None or embedded.worker is None:
+            return LoadSignals(backends=backends)
+        w = embedded.worker
+        return LoadSignals(
+            queue_depth=w.num_waiting,
+            running=w.load.num_running,
+            batch_tokens=w.load.batch_tokens,
+            kv_usage=min(1.0, max(0.0, w.load.kv_usage)),
+            step_ms=w.load.step_time * 1e3,
+            backends=backends,
+        )
 
     def load_snapshot(self) -> dict[str, Any]:
         """The load at a request's arrival, recorded with it (the policy learns from it)."""

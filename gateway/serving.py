@@ -143,6 +143,8 @@ def _note_backend(
     external = backend is not svc.registry.embedded
     if external:
         call.route["spec"] = None  # an external backend decides its own speculation
+    method = "upstream" if external else (call.spec.method if call.spec is not None else "off")
+    call.route["arm"] = f"{backend.name}:{method}"  # what actually served: the policy learns from it
     if order and backend.name != order[0]:
         svc.metrics.failovers.labels(call.model).inc()
     return external

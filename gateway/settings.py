@@ -23,6 +23,9 @@ class SpecSettings(BaseModel):
     k_min: int = Field(0, ge=0, le=64)
     k_max: int = Field(8, ge=0, le=64)
     num_speculative_tokens: int = Field(4, ge=0, le=64)
+    # The dynamic-K controller's starting acceptance estimate (None: the engine's default); the
+    # routing policy sets it from the acceptance measured for the request's workload class.
+    acceptance_prior: float | None = Field(None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _bounds(self) -> SpecSettings:
@@ -118,6 +121,22 @@ class TelemetrySettings(BaseModel):
     spec_steps_sample_rate: float = Field(0.0, ge=0.0, le=1.0)  # share of requests with per-step rows
 
 
+class PolicySettings(BaseModel):
+    """The adaptive routing policy. Disabled: the static route (config + the request's `spec`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    classifier_path: str | None = None  # default: the classifier shipped in the package
+    # Speculation methods the policy may choose on the embedded engine (besides "off").
+    methods: list[str] = Field(default_factory=lambda: ["ngram", "suffix"])
+    # Retrain from telemetry this often, in seconds (0: only when an operator asks).
+    retrain_interval: float = Field(0.0, ge=0.0)
+    # Telemetry window a retrain reads, in hours.
+    train_window_hours: float = Field(168.0, gt=0.0)
+    holdout_share: float = Field(0.2, gt=0.0, lt=0.9)
+    seed: int | None = None  # exploration randomness; set for reproducible benchmarks
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -133,6 +152,7 @@ class Settings(BaseSettings):
     backends: list[BackendSettings] = Field(default_factory=list)
     routes: dict[str, ModelRoute] = Field(default_factory=dict)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
     log_requests: bool = True
 
     @classmethod

@@ -137,7 +137,10 @@ class EmbeddedBackend:
             proposer_factory(s.method)
         except ValueError as exc:
             raise BackendError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
-        return SpecParams(s.method, s.controller, s.k_min, s.k_max, s.num_speculative_tokens)
+        params = SpecParams(s.method, s.controller, s.k_min, s.k_max, s.num_speculative_tokens)
+        if s.acceptance_prior is not None:
+            params.acceptance_prior = s.acceptance_prior
+        return params
 
     async def _outputs(self, call: BackendCall, q: asyncio.Queue[Any]) -> AsyncGenerator[RequestOutput, None]:
         finished = False

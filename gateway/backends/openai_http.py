@@ -27,6 +27,9 @@ _PATHS = {"chat": "/chat/completions", "completion": "/completions"}
 _DROP = ("spec",)  # specgate's own request extensions are not forwarded
 
 
+LATENCY_EWMA = 0.2  # weight of the newest response in the latency average
+
+
 class OpenAIBackend:
     def __init__(self, settings: BackendSettings, client: httpx2.AsyncClient) -> None:
         self.settings = settings
@@ -36,6 +39,8 @@ class OpenAIBackend:
         self.discovered: list[str] = []
         self.probe_ok: bool | None = None
         self.in_flight = 0
+        # Time to response headers, smoothed: the routing policy's view of this backend's latency.
+        self.latency_ewma_ms: float | None = None
         self._probe_task: asyncio.Task[None] | None = None
         s = settings
         self._timeout = httpx2.Timeout(
@@ -59,6 +64,7 @@ class OpenAIBackend:
             "breaker": self.breaker.state,
             "probe_ok": self.probe_ok,
             "in_flight": self.in_flight,
+            "latency_ewma_ms": None if self.latency_ewma_ms is None else round(self.latency_ewma_ms, 2),
             "models": self.model_ids(),
         }
 
@@ -154,6 +160,14 @@ class OpenAIBackend:
         assert last is not None
         raise last
 
+    async def _timed_send(self, call: BackendCall) -> httpx2.Response:
+        t0 = time.perf_counter()
+        response = await self._send(call)
+        ms = (time.perf_counter() - t0) * 1e3
+        prev = self.latency_ewma_ms
+        self.latency_ewma_ms = ms if prev is None else prev + LATENCY_EWMA * (ms - prev)
+        return response
+
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         try:
             return await self._complete(call)
@@ -164,7 +178,7 @@ class OpenAIBackend:
         self.in_flight += 1
         try:
             async with asyncio.timeout(self.settings.total_timeout):
-                response = await self._send(call)
+                response = await self._timed_send(call)
                 try:
                     raw = await response.aread()
                 finally:
@@ -195,7 +209,7 @@ class OpenAIBackend:
         response: httpx2.Response | None = None
         deadline = time.monotonic() + self.settings.total_timeout
         try:
-            response = await self._send(call)
+            response = await self._timed_send(call)
             async for data in _sse_data(response):
                 if data == "[DONE]":
                     break

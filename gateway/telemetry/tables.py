@@ -104,3 +104,24 @@ spec_steps = Table(
     Column("step_ms", Float),
     UniqueConstraint("request_id", "step_index"),
 )
+
+# One row per fitted or edited routing policy; exactly one is active at a time. Request rows name
+# the version that routed them in requests.policy_version.
+policy_versions = Table(
+    "policy_versions",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("kind", String(16), nullable=False),  # rules | learned
+    Column("source", String(16), nullable=False),  # default | retrain | edit | rollback
+    Column("status", String(16), nullable=False),  # active | retired | rejected
+    Column("parent_version", Integer),  # the version this one was derived from
+    Column("promoted_at", DateTime(timezone=True)),
+    Column("window_start", DateTime(timezone=True)),  # training window (retrains only)
+    Column("window_end", DateTime(timezone=True)),
+    Column("train_rows", Integer),
+    Column("metrics", JSON),  # offline evaluation: candidate vs the version it was compared with
+    Column("artifact", JSON, nullable=False),  # policies.state.PolicyState.as_dict()
+    Column("note", Text),
+    Index(None, "status"),
+)

@@ -29,15 +29,21 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0001"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0002"
     tables, views = _tables(db_url)
-    assert {"requests", "spec_steps", "alembic_version"} <= tables and views == VIEWS
+    assert {"requests", "spec_steps", "policy_versions", "alembic_version"} <= tables and views == VIEWS
     schema.downgrade(db_url, "base")
     assert schema.current_revision(engine) is None
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0001"
+    assert schema.current_revision(engine) == "0002"
+    # One step down removes only the policy table; the request telemetry stays.
+    schema.downgrade(db_url, "0001")
+    tables, views = _tables(db_url)
+    assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
+    schema.upgrade(db_url)
+    assert schema.current_revision(engine) == "0002"
     engine.dispose()
 
 
@@ -70,7 +76,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0001"
+    assert schema.current_revision(lite) == "0002"
     lite.dispose()
 
 
@@ -78,7 +84,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "gateway.cli", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0001" in out.stdout
+    assert "current: 0002" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -87,4 +93,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0001 (head)" in out.stdout
+    assert "0002 (head)" in out.stdout

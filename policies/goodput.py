@@ -1,0 +1,178 @@
+"""Per-arm goodput models: predicted output tokens/s (with its uncertainty) and TPOT from request
+features and load, fitted on telemetry rows.
+
+Each arm gets a Bayesian ridge regression on log tokens/s, so its posterior spread drives Thompson
+sampling, and a ridge regression on log TPOT. The fitted parameters are kept as plain lists (a
+policy version is a JSON document in the database, loadable under any scikit-learn version).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from policies.classes import WORKLOAD_CLASSES
+
+REQUEST_FEATURES = (
+    *(f"p_{c}" for c in WORKLOAD_CLASSES),
+    "log_prompt_tokens",
+    "log_max_tokens",
+    "temperature",
+    "top_p",
+    "copyability",
+    "tools_or_json",
+)
+LOAD_FEATURES = ("load_running", "load_queue", "load_log_batch_tokens", "load_kv_usage", "load_log_step_ms")
+MODEL_FEATURES = REQUEST_FEATURES + LOAD_FEATURES
+
+
+@dataclass(slots=True)
+class TrainingRow:
+    arm: str  # Arm.key
+    features: dict[str, float]  # request and load features as recorded at decision time
+    tokens_per_s: float
+    tpot_ms: float | None = None
+    label: str | None = None
+    received_at: float = 0.0
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens_per_s > 0:
+            raise ValueError("tokens_per_s must be positive")
+
+
+def vector(features: dict[str, float]) -> np.ndarray:
+    return np.array([float(features.get(n, 0.0)) for n in MODEL_FEATURES])  # [n_features]
+
+
+@dataclass(slots=True)
+class Prediction:
+    tokens_per_s: float
+    log_std: float  # posterior spread of log tokens/s
+    tpot_ms: float | None
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"tokens_per_s": round(self.tokens_per_s, 3), "log_std": round(self.log_std, 4)}
+        if self.tpot_ms is not None:
+            out["tpot_ms"] = round(self.tpot_ms, 3)
+        return out
+
+
+@dataclass(slots=True)
+class ArmModel:
+    n_rows: int
+    mean: np.ndarray  # [n_features] standardization
+    scale: np.ndarray  # [n_features]
+    coef: np.ndarray  # [n_features] on standardized inputs, target log tokens/s
+    intercept: float
+    noise_precision: float  # BayesianRidge alpha_
+    sigma: np.ndarray  # [n_features, n_features] posterior covariance of coef
+    tpot_coef: np.ndarray | None  # [n_features], target log TPOT ms
+    tpot_intercept: float = 0.0
+
+    def predict_log(self, x: np.ndarray) -> tuple[float, float]:
+        z = (x - self.mean) / self.scale
+        mu = float(z @ self.coef + self.intercept)
+        var = float(z @ self.sigma @ z) + 1.0 / self.noise_precision
+        return mu, math.sqrt(max(var, 0.0))
+
+    def predict(self, x: np.ndarray) -> Prediction:
+        mu, std = self.predict_log(x)
+        tpot = None
+        if self.tpot_coef is not None:
+            tpot = math.exp(float(((x - self.mean) / self.scale) @ self.tpot_coef + self.tpot_intercept))
+        return Prediction(math.exp(mu), std, tpot)
+
+    @classmethod
+    def fit(cls, x: np.ndarray, tps: np.ndarray, tpot: np.ndarray) -> ArmModel:
+        from sklearn.linear_model import BayesianRidge, Ridge
+
+        mean = x.mean(axis=0)
+        scale = x.std(axis=0)
+        scale[scale < 1e-9] = 1.0
+        z = (x - mean) / scale  # [n_rows, n_features]
+        br = BayesianRidge().fit(z, np.log(tps))
+        has_tpot = ~np.isnan(tpot)
+        tpot_coef, tpot_intercept = None, 0.0
+        if has_tpot.sum() >= 5:
+            ridge = Ridge(alpha=1.0).fit(z[has_tpot], np.log(tpot[has_tpot]))
+            tpot_coef, tpot_intercept = ridge.coef_, float(ridge.intercept_)
+        return cls(
+            len(x),
+            mean,
+            scale,
+            br.coef_,
+            float(br.intercept_),
+            float(br.alpha_),
+            br.sigma_,
+            tpot_coef,
+            tpot_intercept,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_rows": self.n_rows,
+            "mean": self.mean.tolist(),
+            "scale": self.scale.tolist(),
+            "coef": self.coef.tolist(),
+            "intercept": self.intercept,
+            "noise_precision": self.noise_precision,
+            "sigma": self.sigma.tolist(),
+            "tpot_coef": None if self.tpot_coef is None else self.tpot_coef.tolist(),
+            "tpot_intercept": self.tpot_intercept,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ArmModel:
+        arr = lambda v: np.asarray(v, dtype=np.float64)  # noqa: E731
+        return cls(
+            int(d["n_rows"]),
+            arr(d["mean"]),
+            arr(d["scale"]),
+            arr(d["coef"]),
+            float(d["intercept"]),
+            float(d["noise_precision"]),
+            arr(d["sigma"]),
+            None if d.get("tpot_coef") is None else arr(d["tpot_coef"]),
+            float(d.get("tpot_intercept", 0.0)),
+        )
+
+
+@dataclass(slots=True)
+class GoodputModel:
+    arms: dict[str, ArmModel]
+    features: tuple[str, ...] = MODEL_FEATURES
+
+    def __post_init__(self) -> None:
+        if tuple(self.features) != MODEL_FEATURES:
+            raise ValueError("goodput model was fitted on a different feature set; retrain it")
+
+    def predict(self, arm: str, features: dict[str, float]) -> Prediction:
+        return self.arms[arm].predict(vector(features))
+
+    @classmethod
+    def fit(cls, rows: Sequence[TrainingRow], min_arm_rows: int) -> GoodputModel:
+        by_arm: dict[str, list[TrainingRow]] = {}
+        for r in rows:
+            by_arm.setdefault(r.arm, []).append(r)
+        arms = {}
+        for key, group in sorted(by_arm.items()):
+            if len(group) < min_arm_rows:
+                continue
+            x = np.stack([vector(r.features) for r in group])  # [n_rows, n_features]
+            tps = np.array([r.tokens_per_s for r in group])
+            tpot = np.array([r.tpot_ms if r.tpot_ms and r.tpot_ms > 0 else np.nan for r in group])
+            arms[key] = ArmModel.fit(x, tps, tpot)
+        return cls(arms)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"features": list(self.features), "arms": {k: m.as_dict() for k, m in self.arms.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GoodputModel:
+        return cls({k: ArmModel.from_dict(v) for k, v in d["arms"].items()}, tuple(d["features"]))

@@ -1,0 +1,81 @@
+"""The default policy on a fresh install: per-class rules (see `policies.rules`), plus a little
+exploration so that the telemetry covers the arms the rules do not pick."""
+
+from __future__ import annotations
+
+import random
+
+from policies.arms import OFF, Arm
+from policies.decision import Decision, DecisionContext
+from policies.exploration import ExplorationBudget
+from policies.guards import safe_arms
+from policies.rules import RuleConfig
+
+
+class RulePolicy:
+    kind = "rules"
+
+    def __init__(
+        self,
+        rules: RuleConfig,
+        priors: dict[str, float] | None = None,
+        budget: ExplorationBudget | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.rules = rules
+        self.priors = priors or {}
+        self.budget = budget or ExplorationBudget(rules.exploration_cap)
+        self.rng = random.Random(seed)
+
+    def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
+        arms, why = safe_arms(ctx, self.rules)
+        target = self.target(ctx, arms, why)
+        explored = False
+        if (
+            explore
+            and len(arms) > 1
+            and self.rng.random() < self.rules.exploration_rate
+            and self.budget.allows()
+        ):
+            target = self.rng.choice([a for a in arms if a != target])
+            explored = True
+            why.append(f"exploring {target.key}")
+        if explore:
+            self.budget.note(explored)
+        return self.finish(ctx, target, "; ".join(why), explored)
+
+    def target(self, ctx: DecisionContext, arms: list[Arm], why: list[str]) -> Arm:
+        backend = arms[0].backend
+        rule = self.rules.rule_for(ctx.label, ctx.confidence)
+        on_backend = [a for a in arms if a.backend == backend]
+        if all(not a.speculative for a in on_backend) and any(a.method != OFF for a in on_backend):
+            why.insert(0, f"{backend} decides its own speculation")
+            return on_backend[0]
+        name = ctx.label if ctx.confidence >= self.rules.min_confidence else "uncertain"
+        why.insert(0, f"{name} ({ctx.confidence:.2f}): rule {rule.method}")
+        method = rule.method
+        if ctx.label == "open_chat" and ctx.temperature >= self.rules.high_temperature and method != OFF:
+            why.append(f"temperature {ctx.temperature:g} >= {self.rules.high_temperature:g}: off")
+            method = OFF
+        wanted = Arm(backend, method)
+        if wanted in on_backend:
+            return wanted
+        fallback = next((a for a in on_backend if a.method == OFF), on_backend[0])
+        if method != OFF:
+            why.append(f"{wanted.key} not allowed here: {fallback.method}")
+        return fallback
+
+    def finish(self, ctx: DecisionContext, arm: Arm, reason: str, explored: bool) -> Decision:
+        rule = self.rules.rule_for(ctx.label, ctx.confidence)
+        k_min, k_max = (rule.k_min, rule.k_max) if rule.k_max > 0 else (1, 4)
+        if not arm.speculative:
+            k_min = k_max = 0
+        return Decision(
+            arm=arm,
+            reason=reason,
+            k_min=k_min,
+            k_max=k_max,
+            controller=rule.controller,
+            acceptance_prior=self.priors.get(f"{ctx.label}:{arm.method}") if arm.speculative else None,
+            explored=explored,
+        )

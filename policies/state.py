@@ -1,0 +1,50 @@
+"""A policy version's content: its rules, its goodput model (if learned) and its acceptance priors.
+
+Stored as one JSON document per `policy_versions` row; `build` turns it back into a policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.decision import Policy
+from policies.exploration import ExplorationBudget
+from policies.goodput import GoodputModel
+from policies.learned_policy import LearnedPolicy
+from policies.rule_policy import RulePolicy
+from policies.rules import RuleConfig
+
+
+@dataclass(slots=True)
+class PolicyState:
+    rules: RuleConfig = field(default_factory=RuleConfig)
+    model: GoodputModel | None = None
+    priors: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "learned" if self.model is not None and self.model.arms else "rules"
+
+    def build(self, budget: ExplorationBudget | None = None, seed: int | None = None) -> Policy:
+        budget = budget or ExplorationBudget(self.rules.exploration_cap)
+        budget.cap = self.rules.exploration_cap
+        if self.model is not None and self.model.arms:
+            return LearnedPolicy(self.rules, self.model, self.priors, budget, seed)
+        return RulePolicy(self.rules, self.priors, budget, seed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rules": self.rules.as_dict(),
+            "model": None if self.model is None else self.model.as_dict(),
+            "priors": dict(self.priors),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PolicyState:
+        model = d.get("model")
+        return cls(
+            RuleConfig.from_dict(d.get("rules") or {}),
+            None if model is None else GoodputModel.from_dict(model),
+            dict(d.get("priors") or {}),
+        )

@@ -1,0 +1,123 @@
+"""The workload classifier: held-out accuracy, unseen phrasings, the fast path, the shipped artifact."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies import dataset
+from policies.classes import WORKLOAD_CLASSES
+from policies.classifier import WorkloadClassifier
+from policies.classifier_training import evaluate, fit, row_info, split_by_group
+from policies.features import structural
+from policies.request import RequestInfo
+from policies.text_model import LinearTextModel
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return dataset.load()
+
+
+@pytest.fixture(scope="module")
+def shipped() -> WorkloadClassifier:
+    return WorkloadClassifier.load()
+
+
+def test_held_out_accuracy_over_every_class(rows: list[dict]) -> None:
+    train, test = split_by_group(rows, 0.2, seed=1)
+    assert not {r["group"] for r in train} & {r["group"] for r in test}
+    ev = evaluate(fit(train), test, len(train))
+    assert ev.accuracy >= 0.9, ev.table()
+    assert ev.public_accuracy >= 0.9
+    assert min(ev.per_class_recall.values()) >= 0.8, ev.per_class_recall
+    assert {r["label"] for r in test} == set(WORKLOAD_CLASSES)
+
+
+@pytest.mark.parametrize(
+    ("text", "label"),
+    [
+        ("Can you whip up a Go program that tails a log file and prints lines matching a regex?", "code"),
+        ("My React component re-renders forever when I call setState in useEffect. How do I fix it?", "code"),
+        ("```\nSELECT name, COUNT(*) FROM orders GROUP BY name\n```\nWhy is this query slow?", "code"),
+        ("How do you say 'where is the train station' in Italian?", "translation"),
+        ("Please translate into Korean: The meeting has been moved to Thursday afternoon.", "translation"),
+        ("Put this sentence into French for me: I would like two coffees, please.", "translation"),
+    ],
+)
+def test_unseen_phrasings_of_code_and_translation(shipped: WorkloadClassifier, text: str, label: str) -> None:
+    got = shipped.classify(RequestInfo(text=text, last_user=text))
+    assert got.label == label, got.probs
+
+
+def test_tools_or_json_mode_is_a_tool_call_by_rule(shipped: WorkloadClassifier) -> None:
+    text = "Write a poem about the sea."
+    plain = shipped.classify(RequestInfo(text=text))
+    assert plain.label == "open_chat"
+    tools = shipped.classify(
+        RequestInfo(text=text, tool_names=["get_weather"], tool_descriptions=["weather"])
+    )
+    json_mode = shipped.classify(RequestInfo(text=text, json_mode=True))
+    assert (tools.label, tools.rule, tools.confidence) == ("tool_call", "tools", 1.0)
+    assert (json_mode.label, json_mode.rule) == ("tool_call", "json_mode")
+
+
+def test_fast_path_reproduces_the_sklearn_pipeline(rows: list[dict]) -> None:
+    from scipy import sparse
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    from policies.text_model import ANALYZERS
+
+    sample = rows[::7]
+    infos = [row_info(r) for r in sample]
+    texts = [i.classifier_text() for i in infos]
+    dense = [structural(i) for i in infos]
+    labels = [r["label"] for r in sample]
+    model = LinearTextModel.fit(texts, dense, labels, WORKLOAD_CLASSES, max_terms=5000)
+    # The same pipeline, in sklearn end to end.
+    vecs = [
+        TfidfVectorizer(analyzer=fn, sublinear_tf=True, max_features=5000, min_df=2)
+        for fn in ANALYZERS.values()
+    ]
+    names = sorted(dense[0])
+    x = sparse.hstack(
+        [v.fit_transform(texts) for v in vecs] + [sparse.csr_matrix([[d[n] for n in names] for d in dense])]
+    ).tocsr()
+    lr = LogisticRegression(C=10.0, max_iter=2000).fit(x, [WORKLOAD_CLASSES.index(y) for y in labels])
+    expected = lr.predict_proba(x[:25])
+    got = np.stack([model.predict_proba(t, d) for t, d in zip(texts[:25], dense[:25], strict=True)])
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_artifact_round_trip_and_metadata(tmp_path: Path, shipped: WorkloadClassifier) -> None:
+    path = tmp_path / "clf.npz"
+    shipped.model.save(path, {"version": "test-1"})
+    back = WorkloadClassifier.load(path)
+    assert back.version == "test-1"
+    info = RequestInfo(text="Summarize: the council voted to close the library on Sundays.")
+    np.testing.assert_allclose(back.text_probs(info), shipped.text_probs(info), atol=1e-6)
+    assert shipped.version.startswith("wc-")
+    assert shipped.metadata["heldout"]["accuracy"] >= 0.9
+
+
+def test_classification_costs_under_a_millisecond(shipped: WorkloadClassifier, rows: list[dict]) -> None:
+    # The longest prompts (RAG contexts), where the bounded slice matters most.
+    longest = sorted(rows, key=lambda r: -len(r["text"]))[:50]
+    infos = [RequestInfo(text=r["text"] * 5, last_user=r["text"][-300:]) for r in longest]
+    for info in infos[:5]:
+        shipped.classify(info)  # warm
+    times = []
+    for info in infos:
+        t0 = time.perf_counter()
+        shipped.classify(info)
+        times.append(time.perf_counter() - t0)
+    assert float(np.median(times)) < 1e-3, f"median {np.median(times) * 1e3:.3f} ms"
+
+
+def test_missing_artifact_names_the_command(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="train-classifier"):
+        WorkloadClassifier.load(tmp_path / "none.npz")
