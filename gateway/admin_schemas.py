@@ -29,6 +29,7 @@ class PolicyPatch(BaseModel):
     high_temperature: float | None = Field(None, ge=0.0)
     max_batch_for_spec: int | None = Field(None, ge=0)
     structured_methods: list[str] | None = None
+    across_backends: bool | None = None
     exploration_rate: float | None = Field(None, ge=0.0, le=1.0)
     exploration_cap: float | None = Field(None, ge=0.0, le=1.0)
     thompson_scale: float | None = Field(None, ge=0.0)

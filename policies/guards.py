@@ -24,6 +24,8 @@ def safe_arms(ctx: DecisionContext, rules: RuleConfig) -> tuple[list[Arm], list[
         healthy = list(ctx.arms)  # all unhealthy: let failover find out rather than refuse here
         why.append("no backend reports healthy")
     arms = healthy
+    if not rules.across_backends:
+        arms = [a for a in arms if a.backend == healthy[0].backend]
     if ctx.structured:
         arms = [a for a in arms if not a.speculative or a.method in rules.structured_methods]
         if len(arms) < len(healthy):

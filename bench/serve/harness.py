@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         args.rate = args.rate.split(",")[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server, base_url = (None, args.base_url.rstrip("/")) if args.base_url else _start_gateway(args, out)
+    server, base_url = (None, args.base_url.rstrip("/")) if args.base_url else start_local_gateway(args, out)
     try:
         return asyncio.run(_run(args, base_url, out, server is not None))
     finally:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
             server.wait(30)
 
 
-def _start_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
     with socket.socket() as s:

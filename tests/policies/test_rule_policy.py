@@ -73,6 +73,15 @@ def test_external_backend_decides_its_own_speculation_and_unhealthy_ones_are_ski
     assert decide(ctx("code", arms=arms, load=sick)) == "embedded:ngram"
 
 
+def test_backend_order_is_kept_unless_routing_across_backends_is_on() -> None:
+    arms = [Arm("vllm", "upstream"), *EMBEDDED]
+    explorer = RulePolicy(RuleConfig(exploration_rate=1.0, exploration_cap=1.0), seed=0)
+    assert {explorer.decide(ctx("code", arms=arms)).arm.key for _ in range(50)} == {"vllm:upstream"}
+    across = RulePolicy(RuleConfig(exploration_rate=0.5, exploration_cap=1.0, across_backends=True), seed=0)
+    picks = {across.decide(ctx("code", arms=arms)).arm.backend for _ in range(50)}
+    assert picks == {"vllm", "embedded"}
+
+
 def test_rule_exploration_respects_rate_and_cap() -> None:
     rules = RuleConfig(exploration_rate=0.1, exploration_cap=0.1)
     budget = ExplorationBudget(rules.exploration_cap, window=100)
