@@ -4,12 +4,13 @@
 
 One run, one gateway on the default model, a mixed workload (every class), prompts split into a
 training set and a disjoint evaluation set:
-  1. train: every training prompt under every static arm (plain, ngram, suffix), forced through
-     the `spec` extension; the gateway records each as telemetry like any other request;
+  1. train: every training prompt once, under one of the static arms (plain, ngram, suffix) in
+     rotation, forced through the `spec` extension; the gateway records each as telemetry;
   2. retrain: POST /admin/policy/retrain (forced if its offline evaluation declines, and said so);
-  3. evaluate: every evaluation prompt under each static arm and the learned policy, interleaved
-     prompt by prompt so that drift on the machine hits every arm alike; then the rule policy
-     (a rollback to version 1) on the same prompts;
+  3. evaluate: every evaluation prompt under the learned policy, each static arm, and the rule
+     policy (a rollback to version 1);
+  Each pass runs on a fresh gateway process over the same telemetry database (the learned policy
+  warm-starts from it), so no arm sees another arm's answers to the same prompts;
   4. report goodput (output tokens per second of request time) per arm and per class, the best
      single static arm, and the per-class oracle (the best static arm of each class, measured here).
 """
@@ -39,6 +40,7 @@ from bench.serve.metrics import RequestResult
 from bench.serve.runner import POLICY, send
 
 ADMIN_KEY = "bench-policy-admin"
+LEARNED_ARMS = ("learned", "rules")  # routed by the gateway's policy, not forced
 
 
 def split(reqs: list[datasets.BenchRequest], n_train: int) -> tuple[list, list]:
@@ -63,23 +65,51 @@ def goodput(results: list[RequestResult]) -> dict[str, float]:
     }
 
 
-async def run_phase(
-    client: openai.AsyncOpenAI, model: str, reqs: list, arms: list[str], tag: str, temperature: float
-) -> dict[str, list[RequestResult]]:
-    """Each prompt under each arm in turn (sequential: one request in flight, batch size one)."""
-    out: dict[str, list[RequestResult]] = defaultdict(list)
+async def run_pass(
+    base: str, reqs: list, arms: str | list[str], tag: str, temperature: float
+) -> list[RequestResult]:
+    """Every prompt once, sequentially (one request in flight, batch size one), under `arms` (one
+    arm, or one per prompt)."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=900)
+    model = (await client.models.list()).data[0].id
     run = uuid.uuid4().hex[:6]
+    out = []
     for i, req in enumerate(reqs):
-        for arm in arms:
-            res = await send(
-                client, model, req, arm if arm != "learned" else POLICY, f"{tag}-{run}-{arm}-{i}", temperature
-            )
-            res.arm = arm
-            out[arm].append(res)
-        done = (i + 1) * len(arms)
-        sys.stderr.write(f"\r{tag}: {done}/{len(reqs) * len(arms)} requests")
+        arm = arms if isinstance(arms, str) else arms[i]
+        forced = POLICY if arm in LEARNED_ARMS else arm
+        res = await send(client, model, req, forced, f"{tag}-{run}-{arm}-{i}", temperature)
+        res.arm = arm
+        out.append(res)
+        sys.stderr.write(f"\r{tag}: {i + 1}/{len(reqs)} requests")
     sys.stderr.write("\n")
+    await client.close()
     return out
+
+
+def rotate(reqs: list[datasets.BenchRequest], arms: list[str]) -> list[str]:
+    """One arm per prompt, rotating within each class, so every class sees every arm and the arms
+    interleave in time (as exploration interleaves them in production)."""
+    seen: dict[str, int] = defaultdict(int)
+    classes = sorted({r.category for r in reqs})
+    out = []
+    for r in reqs:
+        out.append(arms[(seen[r.category] + classes.index(r.category)) % len(arms)])
+        seen[r.category] += 1
+    return out
+
+
+def on_fresh_gateway(args: argparse.Namespace, out: Path, work: Any) -> Any:
+    """Run `work(base_url)` on a newly started gateway process over the same telemetry database.
+
+    A fresh process per pass: the suffix proposer's shared cache of recent outputs would otherwise
+    hand later arms the very answers earlier arms produced for the same prompt.
+    """
+    server, base = start_local_gateway(args, out)
+    try:
+        return asyncio.run(work(base))
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def admin(base: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
@@ -142,41 +172,49 @@ def markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def main_async(args: argparse.Namespace, base: str, out: Path) -> int:
-    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=900)
-    model = (await client.models.list()).data[0].id
+def run_all(args: argparse.Namespace, out: Path) -> int:
     per = args.train_per_category + args.eval_per_category
     train, test = split(datasets.shipped(per, args.max_tokens), args.train_per_category)
     static = args.arms.split(",")
     t0 = time.perf_counter()
-    await run_phase(client, model, train, static, "train", args.temperature)
-    n_rows = len(train) * len(static)
-    admin(
-        base,
-        "PUT",
-        "/admin/policy",
-        {"min_train_rows": max(10, n_rows // 2), "min_arm_rows": 5, "note": "bench"},
-    )
-    retrain = admin(base, "POST", "/admin/policy/retrain", {})
-    forced = not retrain["promoted"]
-    if forced:
-        retrain = admin(base, "POST", "/admin/policy/retrain", {"force": True})
-    learned_version = retrain["version"]
-    evals = dict(await run_phase(client, model, test, [*static, "learned"], "eval", args.temperature))
-    admin(base, "POST", "/admin/policy/rollback/1", None)
-    evals["rules"] = (await run_phase(client, model, test, [POLICY], "rules", args.temperature))[POLICY]
-    for r in evals["rules"]:
-        r.arm = "rules"
+    # Training: each prompt once, under one arm (a prompt answered twice would let the suffix
+    # proposer's shared cache replay the first answer to the second arm).
+    arms_of = rotate(train, static)
+    on_fresh_gateway(args, out, lambda base: run_pass(base, train, arms_of, "train", args.temperature))
+    n_rows = len(train)
+    retrain: dict[str, Any] = {}
+    evals: dict[str, list[RequestResult]] = {}
+
+    async def learned(base: str) -> list[RequestResult]:
+        patch = {"min_train_rows": max(10, n_rows // 2), "min_arm_rows": 5, "note": "bench"}
+        admin(base, "PUT", "/admin/policy", patch)
+        retrain.update(admin(base, "POST", "/admin/policy/retrain", {}))
+        if not retrain["promoted"]:
+            retrain.update(
+                admin(base, "POST", "/admin/policy/retrain", {"force": True}), declined=retrain["reason"]
+            )
+        return await run_pass(base, test, "learned", "eval", args.temperature)
+
+    async def rules(base: str) -> list[RequestResult]:
+        admin(base, "POST", "/admin/policy/rollback/1", None)
+        return await run_pass(base, test, "rules", "eval", args.temperature)
+
+    evals["learned"] = on_fresh_gateway(args, out, learned)
+    for arm in static:
+        evals[arm] = on_fresh_gateway(
+            args, out, lambda base, arm=arm: run_pass(base, test, arm, "eval", args.temperature)
+        )
+    evals["rules"] = on_fresh_gateway(args, out, rules)
+    evals = {a: evals[a] for a in [*static, "learned", "rules"]}
     rep = report(evals, static)
     rep["config"] = {
-        "model": model,
         "train_requests": n_rows,
         "eval_prompts": len(test),
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "static_arms": static,
-        "learned_version": learned_version,
-        "retrain_forced": forced,
+        "learned_version": retrain.get("version"),
+        "retrain_forced": "declined" in retrain,
         "retrain": {k: v for k, v in retrain.items() if k != "window"},
         "minutes": round((time.perf_counter() - t0) / 60, 1),
     }
@@ -184,15 +222,14 @@ async def main_async(args: argparse.Namespace, base: str, out: Path) -> int:
     text = markdown(rep)
     (out / "policy_bench.md").write_text(text + "\n")
     sys.stdout.write(text + "\n")
-    sys.stdout.write(
-        f"retrain: promoted={not forced} ({retrain['reason']}); report: {out / 'policy_bench.md'}\n"
-    )
+    how = f"declined ({retrain['declined']}), then forced" if "declined" in retrain else "promoted"
+    sys.stdout.write(f"retrain: {how}: {retrain.get('reason')}\nreport: {out / 'policy_bench.md'}\n")
     return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train-per-category", type=int, default=6)
+    p.add_argument("--train-per-category", type=int, default=12)
     p.add_argument("--eval-per-category", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -201,21 +238,16 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench-out/policy")
-    p.add_argument("--quick", action="store_true", help="2 + 1 prompts per class, 32 tokens (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="6 + 1 prompts per class, 32 tokens (a few minutes)")
     args = p.parse_args()
     if args.quick:
-        args.train_per_category, args.eval_per_category, args.max_tokens = 2, 1, 32
+        args.train_per_category, args.eval_per_category, args.max_tokens = 6, 1, 32
     out = Path(args.out)
     shutil.rmtree(out / "gateway-data", ignore_errors=True)  # a fresh install: no earlier telemetry
     out.mkdir(parents=True, exist_ok=True)
     os.environ["SPECGATE_ADMIN_KEY"] = ADMIN_KEY
     os.environ["SPECGATE_POLICY__SEED"] = "0"
-    server, base = start_local_gateway(args, out)
-    try:
-        return asyncio.run(main_async(args, base, out))
-    finally:
-        server.terminate()
-        server.wait(30)
+    return run_all(args, out)
 
 
 if __name__ == "__main__":
