@@ -50,6 +50,12 @@ class Metrics:
             registry=r,
         )
         self.tokens = Counter("specgate_tokens", "Tokens by kind", ["model", "kind"], registry=r)
+        self.routes = Counter(
+            "specgate_route_decisions",
+            "Routed requests by workload class, the arm that served them, and the policy that chose it",
+            ["workload_class", "arm", "policy", "explored"],
+            registry=r,
+        )
         self.draft_tokens = Counter(
             "specgate_spec_draft_tokens", "Drafted tokens", ["model", "method"], registry=r
         )
@@ -90,6 +96,9 @@ class Metrics:
         self.requests.labels(rec.endpoint, rec.model, backend, str(rec.status), rec.outcome).inc()
         if rec.overhead_ms is not None:
             self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
+        if rec.workload_class is not None and rec.route.get("arm"):
+            explored = str(bool(rec.route.get("explored"))).lower()
+            self.routes.labels(rec.workload_class, rec.route["arm"], rec.route.get("policy"), explored).inc()
         if rec.backend and rec.attempts:
             self.retries.labels(rec.backend).inc(rec.attempts)
         if rec.outcome != "ok":

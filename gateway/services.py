@@ -147,12 +147,10 @@ class Services:
 
     def load_snapshot(self) -> dict[str, Any]:
         """The load at a request's arrival, recorded with it (the policy learns from it)."""
+        load = self.load_signals()
         out: dict[str, Any] = {}
         embedded = self.registry.embedded
         if embedded is not None and embedded.worker is not None:
-            w = embedded.worker
-            out.update(
-                queue_depth=w.num_waiting, running=w.load.num_running, kv_usage=round(w.load.kv_usage, 4)
-            )
-        out["backend_in_flight"] = {b.name: getattr(b, "in_flight", 0) for b in self.registry}
+            out.update(queue_depth=load.queue_depth, running=load.running, kv_usage=round(load.kv_usage, 4))
+        out["backend_in_flight"] = {name: b.in_flight for name, b in load.backends.items()}
         return out

@@ -279,3 +279,23 @@ def test_warm_start_after_restart(live: LiveGateway, tiny_llama_dir: Path, db: s
         assert explain(again, CODE)["decision"]["arm"] == "embedded:ngram"
     finally:
         again.stop()
+
+
+def test_without_telemetry_versions_live_in_memory(tiny_llama_dir: Path) -> None:
+    s = tiny_settings(
+        str(tiny_llama_dir),
+        embedded={"enabled": False},
+        telemetry={"enabled": False},
+        admin_key="admin-secret",
+    )
+    gw = start_gateway(s, wait_ready=False)
+    try:
+        assert get(gw, "/admin/policy").json()["persistent"] is False
+        r = httpx.put(f"{gw.url}/admin/policy", json={"high_temperature": 0.5}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["policy"]["rules"]["high_temperature"] == 0.5
+        assert [v["version"] for v in get(gw, "/admin/policy/versions").json()["versions"]] == [2, 1]
+        r = post(gw, "/admin/policy/retrain")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "no_telemetry"
+        assert get(gw, "/admin/stats").status_code == 409
+    finally:
+        gw.stop()
