@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from policies.classes import WORKLOAD_CLASSES
 from policies.classifier import WorkloadClassifier
 from policies.classifier_training import evaluate, fit, row_info, split_by_group
 from policies.features import structural
-from policies.request import RequestInfo
+from policies.request import HEAD_CHARS, TAIL_CHARS, RequestInfo
 from policies.text_model import LinearTextModel
 
 
@@ -104,18 +103,13 @@ def test_artifact_round_trip_and_metadata(tmp_path: Path, shipped: WorkloadClass
     assert shipped.metadata["heldout"]["accuracy"] >= 0.9
 
 
-def test_classification_costs_under_a_millisecond(shipped: WorkloadClassifier, rows: list[dict]) -> None:
-    # The longest prompts (RAG contexts), where the bounded slice matters most.
-    longest = sorted(rows, key=lambda r: -len(r["text"]))[:50]
-    infos = [RequestInfo(text=r["text"] * 5, last_user=r["text"][-300:]) for r in longest]
-    for info in infos[:5]:
-        shipped.classify(info)  # warm
-    times = []
-    for info in infos:
-        t0 = time.perf_counter()
-        shipped.classify(info)
-        times.append(time.perf_counter() - t0)
-    assert float(np.median(times)) < 1e-3, f"median {np.median(times) * 1e3:.3f} ms"
+def test_classification_reads_a_bounded_slice_of_any_prompt(shipped: WorkloadClassifier) -> None:
+    """What keeps classification cheap (about 0.2 ms, printed by `specgate policy train-classifier`):
+    the text model's input does not grow with the prompt."""
+    doc = "The quarterly report covers revenue, costs and the outlook for next year. " * 2000
+    info = RequestInfo(text=doc + "\nQuestion: what was the revenue?", last_user="what was the revenue?")
+    assert len(info.classifier_text()) <= HEAD_CHARS + TAIL_CHARS * 2 + 2
+    assert shipped.classify(info).label in WORKLOAD_CLASSES
 
 
 def test_missing_artifact_names_the_command(tmp_path: Path) -> None:
