@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import engine.spec.draft_model
+import engine.spec.eagle
 import engine.spec.ngram
 import engine.spec.suffix  # noqa: F401  (registers the built-in proposers)
 from engine.block_manager import BlockManager
@@ -86,6 +87,8 @@ class Engine:
                 dtype=self.config.dtype,
                 tokenizer=self.tokenizer,
                 options=dict(self.config.proposer_options.get(method, {})),
+                runner=self.runner,
+                model_name=self.model_name,
             )
             proposer = self._proposers[method] = proposer_factory(method)(ctx)
         return proposer
@@ -183,8 +186,13 @@ class Engine:
         samples = [s.samples for s in batch]  # decided before the step advances any sequence
         drafts = self._propose(batch)
         items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
+        feeds = [self._feature_proposer(s.seq) for s in batch]
         t0 = time.perf_counter()
-        logits = self.runner.execute(items)  # [sum of num_logits, vocab]
+        logits, hidden = self.runner.execute_with_hidden(items, any(feeds))  # [sum of num_logits, vocab]
+        if hidden is not None:
+            for s, it, feed, h, sampled in zip(batch, items, feeds, hidden, samples, strict=True):
+                if feed is not None and not sampled:  # a prefill chunk: every position is the prompt's
+                    feed.observe_hidden(s.seq.request_id, it.start, h)
         rows: list[SamplingRow] = []
         for s, d, sampled in zip(batch, drafts, samples, strict=True):
             if sampled:
@@ -202,11 +210,15 @@ class Engine:
         num_tokens = sum(len(it.token_ids) for it in items)
         step = (num_tokens, (time.perf_counter() - t0) * 1e3)  # batch tokens, forward ms: for telemetry
         r = 0
-        for s, d, sampled in zip(batch, drafts, samples, strict=True):
+        for i, (s, d, sampled) in enumerate(zip(batch, drafts, samples, strict=True)):
             if sampled:
                 block = slice(r, r + len(d.token_ids) + 1)
                 r = block.stop
-                self._emit(s.seq, d, logits[block], processed[block], rows[block], done, step)
+                handoff = None
+                proposer = feeds[i]
+                if hidden is not None and proposer is not None:
+                    handoff = (proposer, items[i].start, hidden[i])
+                self._emit(s.seq, d, logits[block], processed[block], rows[block], done, step, handoff)
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
         context = _mean_context((it.start, len(it.token_ids)) for it in items)
         self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
@@ -283,6 +295,7 @@ class Engine:
         rows: list[SamplingRow],
         now: float,
         step: tuple[int, float],
+        feed: tuple[Proposer, int, torch.Tensor] | None = None,  # proposer, first position, [n, hidden]
     ) -> None:
         draft = proposal.token_ids
         if draft:
@@ -296,6 +309,11 @@ class Engine:
             self.block_manager.truncate(seq, seq.num_computed_tokens)
         else:
             tokens, accepted = sample(processed, rows), 0
+        if feed is not None:
+            proposer, start, hidden = feed
+            # Features of the positions whose tokens stand: the step's real tokens and accepted drafts.
+            valid = hidden.shape[0] - len(draft) + accepted
+            proposer.observe_hidden(seq.request_id, start, hidden[:valid])
         lps = token_logprobs(raw[: len(tokens)], tokens, rows[: len(tokens)])
         if seq.spec is not None and seq.stats.spec is not None and draft:
             seq.spec.observe(len(draft), accepted)
@@ -311,6 +329,13 @@ class Engine:
             )
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _feature_proposer(self, seq: Sequence) -> Proposer | None:
+        """The sequence's proposer if it drafts from the target's hidden states, else None."""
+        if seq.spec is None or seq.stats.spec is None:
+            return None
+        proposer = self.proposer(seq.stats.spec.method)
+        return proposer if proposer.needs_hidden else None
 
     def _forward_item(self, s: ScheduledSequence, draft: list[int]) -> ForwardItem:
         seq = s.seq

@@ -71,6 +71,12 @@ class ModelRunner:
             # Within the window, sliding attention equals full attention; beyond it we would be wrong.
             limits.append(int(window))
         self.max_model_len = min(limits)
+        self.hidden_size = int(text_config.hidden_size)
+        # The final norm's output is the feature a feature-level drafter (EAGLE) reads; a hook keeps a
+        # reference to it on the forward passes that ask (no copy, no cost otherwise).
+        self._capture = False
+        self._captured: torch.Tensor | None = None
+        self.model.get_decoder().norm.register_forward_hook(self._keep_hidden)
         logger.info(
             "loaded %s (%s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
             self.source.name,
@@ -81,6 +87,23 @@ class ModelRunner:
             self.kv_cache.nbytes / 2**20,
             self.max_model_len,
         )
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        if self._capture:
+            self._captured = output
+
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def weight_of(self, module: torch.nn.Module) -> torch.Tensor:
+        """A plain layer's weight (not a prepacked one: build the runner with pack_linears=False)."""
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"{type(module).__name__} has no plain weight; load with pack_linears=False")
+        return weight
 
     def _slots(self, block_table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         bs = self.kv_cache.block_size
@@ -119,7 +142,7 @@ class ModelRunner:
 
     def _prepare(
         self, items: Sequence[ForwardItem]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[range]]:
         decode = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         verify = [i for i, it in enumerate(items) if 1 < len(it.token_ids) <= SHORT_MAX_TOKENS]
         long = [i for i, it in enumerate(items) if len(it.token_ids) > SHORT_MAX_TOKENS]
@@ -127,6 +150,7 @@ class ModelRunner:
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
         logit_rows: list[range] = [range(0)] * len(items)  # packed rows whose logits each item wants
+        token_rows: list[range] = [range(0)] * len(items)  # packed rows of each item's new tokens
         meta = AttentionMetadata(self.kv_cache, torch.empty(0), compute_dtype=self.compute_dtype)
         for group in (decode, verify):
             if not group:
@@ -137,6 +161,7 @@ class ModelRunner:
                 it = items[i]
                 n = len(it.token_ids)
                 logit_rows[i] = range(len(ids) + n - it.num_logits, len(ids) + n)
+                token_rows[i] = range(len(ids), len(ids) + n)
                 ids.extend(it.token_ids)
                 pos_parts.append(torch.arange(it.start, it.start + n))
                 ctx_slots.append(self._slots(it.block_table, torch.arange(it.start + n)))
@@ -148,6 +173,7 @@ class ModelRunner:
             it = items[i]
             n = len(it.token_ids)
             start_tok = len(ids)
+            token_rows[i] = range(start_tok, start_tok + n)
             ids.extend(it.token_ids)
             q_pos = torch.arange(it.start, it.start + n)
             pos_parts.append(q_pos)
@@ -165,17 +191,35 @@ class ModelRunner:
         logit_index = torch.tensor(
             [r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device
         )
-        return input_ids, positions, logit_index, meta
+        return input_ids, positions, logit_index, meta, token_rows
 
     @torch.inference_mode()
     def execute(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """Run the batch; return logits [sum of num_logits, vocab] in item order."""
-        input_ids, positions, logit_index, meta = self._prepare(items)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=logit_index,
-            specgate_meta=meta,
-        )
-        return out.logits[0]  # [num_logits, vocab]
+        return self.execute_with_hidden(items, False)[0]
+
+    @torch.inference_mode()
+    def execute_with_hidden(
+        self, items: Sequence[ForwardItem], hidden: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Logits [sum of num_logits, vocab] in item order and, if `hidden`, each item's final-norm
+        hidden states [len(token_ids), hidden_size] (the features EAGLE drafts from)."""
+        input_ids, positions, logit_index, meta, token_rows = self._prepare(items)
+        self._capture, self._captured = hidden, None
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=logit_index,
+                specgate_meta=meta,
+            )
+        finally:
+            self._capture = False
+        features = None
+        if hidden:
+            assert self._captured is not None, "the final norm did not run"
+            packed = self._captured[0]  # [num_tokens, hidden]
+            features = [packed[r.start : r.stop] for r in token_rows]
+            self._captured = None
+        return out.logits[0], features  # [num_logits, vocab]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from platformdirs import user_cache_dir
 
+from gateway.cli_eagle import add_eagle_parser
 from gateway.cli_policy import add_policy_parser
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     db.set_defaults(func=cmd_db)
     add_policy_parser(sub)
+    add_eagle_parser(sub)
     return parser
 
 

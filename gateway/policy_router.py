@@ -72,7 +72,7 @@ class PolicyRouter:
         for name in names:
             if embedded is not None and name == embedded.name:
                 out.append(Arm(name, OFF))
-                out.extend(Arm(name, m) for m in self.settings.policy.methods)
+                out.extend(Arm(name, m) for m in self.settings.policy.methods if m in embedded.methods)
             else:
                 out.append(Arm(name, UPSTREAM))
         return out

@@ -58,6 +58,9 @@ class EmbeddedSettings(BaseModel):
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
     spec: SpecSettings = Field(default_factory=lambda: SpecSettings(method="ngram"))
+    # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
+    # model's EAGLE head ships with specgate.
+    proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class BackendSettings(BaseModel):
@@ -128,7 +131,8 @@ class PolicySettings(BaseModel):
     enabled: bool = True
     classifier_path: str | None = None  # default: the classifier shipped in the package
     # Speculation methods the policy may choose on the embedded engine (besides "off").
-    methods: list[str] = Field(default_factory=lambda: ["ngram", "suffix"])
+    # Those the engine cannot build (no EAGLE head for the model, no draft model) are skipped.
+    methods: list[str] = Field(default_factory=lambda: ["ngram", "suffix", "eagle"])
     # Retrain from telemetry this often, in seconds (0: only when an operator asks).
     retrain_interval: float = Field(0.0, ge=0.0)
     # Telemetry window a retrain reads, in hours.

@@ -28,6 +28,7 @@ REQUEST_FEATURES = (
 )
 LOAD_FEATURES = ("load_running", "load_queue", "load_log_batch_tokens", "load_kv_usage", "load_log_step_ms")
 MODEL_FEATURES = REQUEST_FEATURES + LOAD_FEATURES
+Z_LIMIT = 4.0  # standardized inputs are clipped to this many training standard deviations
 
 
 @dataclass(slots=True)
@@ -76,7 +77,9 @@ class ArmModel:
     tpot_intercept: float = 0.0
 
     def predict_log(self, x: np.ndarray) -> tuple[float, float]:
-        z = (x - self.mean) / self.scale
+        # A linear model extrapolates without limit: inputs far outside the training range (a load
+        # never seen) are held at its edge.
+        z = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)
         mu = float(z @ self.coef + self.intercept)
         var = float(z @ self.sigma @ z) + 1.0 / self.noise_precision
         return mu, math.sqrt(max(var, 0.0))
@@ -85,7 +88,8 @@ class ArmModel:
         mu, std = self.predict_log(x)
         tpot = None
         if self.tpot_coef is not None:
-            tpot = math.exp(float(((x - self.mean) / self.scale) @ self.tpot_coef + self.tpot_intercept))
+            z = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)
+            tpot = math.exp(float(z @ self.tpot_coef + self.tpot_intercept))
         return Prediction(math.exp(mu), std, tpot)
 
     @classmethod

@@ -106,6 +106,19 @@ def tiny_draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def tiny_eagle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random EAGLE head for the tiny Llama, saved in the published EAGLE-1 layout."""
+    from engine.spec.eagle_head import EagleConfig, EagleHead
+    from engine.spec.eagle_io import save_head
+
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(LlamaConfig(**tiny_config_kwargs())))
+    out = tmp_path_factory.mktemp("tiny-eagle")
+    save_head(head, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_fixed_point_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama whose attention output is zeroed: each token determines the next, so greedy output
     soon settles into a repeating pattern, which n-gram and suffix drafts then predict."""

@@ -35,6 +35,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class DraftModelProposer:
     autoregressive = True
+    needs_hidden = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
@@ -58,6 +59,9 @@ class DraftModelProposer:
 
     def start(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._seqs[request_id] = _DraftSeq()
+
+    def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        pass
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
         pass  # the next propose() rewinds to whatever was committed

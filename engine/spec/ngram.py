@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.spec.proposer import Proposal, ProposalRequest, ProposerContext, register_proposer
@@ -32,6 +33,7 @@ def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]
 
 class NgramProposer:
     autoregressive = False
+    needs_hidden = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.min_n = int(ctx.options.get("min_n", 2))
@@ -47,6 +49,9 @@ class NgramProposer:
             Proposal(ngram_draft(np.asarray(r.token_ids, dtype=np.int64), r.k, self.min_n, self.max_n))
             for r in requests
         ]
+
+    def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        pass
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
         pass

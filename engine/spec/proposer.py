@@ -41,12 +41,17 @@ class ProposerContext:
     dtype: str
     tokenizer: Any
     options: dict[str, Any]  # EngineConfig.proposer_options[name]
+    runner: Any = None  # the target's ModelRunner: its embeddings, LM head and hidden size (EAGLE)
+    model_name: str = ""  # the target's name, for proposers that ship weights per target
 
 
 class Proposer(Protocol):
     # True when each drafted token costs one more sequential step (a draft model, an EAGLE head);
     # False when a draft of any length costs one lookup (n-gram, suffix index).
     autoregressive: bool
+    # True when the proposer drafts from the target's hidden states (EAGLE): the engine then returns
+    # them from the target pass and hands over those of verified positions via `observe_hidden`.
+    needs_hidden: bool
 
     def start(self, request_id: str, token_ids: Sequence[int]) -> None:
         """A request that will use this proposer was admitted with these prompt tokens."""
@@ -55,12 +60,12 @@ class Proposer(Protocol):
         """Draft up to `k` tokens for each request (fewer, or none, is fine)."""
         ...
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
-        """The last `num_new` of `token_ids` were committed (verified) for the request.
+    def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, hidden_size] at positions start .. start + n - 1, all
+        of them verified (only called when `needs_hidden`)."""
 
-        A feature-level drafter (EAGLE) will also need the target's hidden states at these
-        positions; the model runner can return them beside the logits when a proposer asks.
-        """
+    def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
+        """The last `num_new` of `token_ids` were committed (verified) for the request."""
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request ended; release its state (a proposer may keep what it learned)."""

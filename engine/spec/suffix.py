@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from engine.spec.proposer import Proposal, ProposalRequest, ProposerContext, register_proposer
 from engine.spec.suffix_tree import Node, SuffixTree, draft_from
 
@@ -27,6 +29,7 @@ class _Local:
 
 class SuffixProposer:
     autoregressive = False
+    needs_hidden = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
@@ -53,6 +56,9 @@ class SuffixProposer:
     def start(self, request_id: str, token_ids: Sequence[int]) -> None:
         tree = SuffixTree(self.max_depth)
         self._local[request_id] = _Local(tree, tree.add(token_ids[-self.max_prompt_tokens :]), len(token_ids))
+
+    def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        pass
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_new: int) -> None:
         local = self._local.get(request_id)

@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.loader import resolve_model
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.spec.params import SpecParams
-from engine.spec.proposer import proposer_factory
+from engine.spec.proposer import proposer_factory, proposer_names
 from gateway import openai_format as fmt
 from gateway.backends.base import BackendCall, BackendError
 from gateway.backends.embedded_prompt import Prepared, prepare
@@ -38,6 +38,8 @@ class EmbeddedBackend:
         self._loading: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._token_text: Callable[[int], str] = str  # the engine's per-token text, once it is loaded
+        # Speculation methods this engine can run (a draft model or an EAGLE head may be missing).
+        self.methods: list[str] = []
 
     @property
     def engine(self) -> Engine | None:
@@ -84,9 +86,11 @@ class EmbeddedBackend:
             max_model_len=s.max_model_len,
             convert_cache_dir=self._cache_dir,
             seed=s.seed,
+            proposer_options=s.proposer_options,
         )
         try:
             engine = await asyncio.to_thread(Engine, cfg)
+            self.methods = await asyncio.to_thread(_buildable_methods, engine)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("embedded engine failed to load")
@@ -306,3 +310,17 @@ class _ChunkWriter:
             tail["metrics"] = last["metrics"]
             return [*chunks, last, tail]
         return [*chunks, last]
+
+
+def _buildable_methods(engine: Engine) -> list[str]:
+    """Registered proposers that build for this engine; the others (no draft model configured, no
+    EAGLE head for this model) are left out of routing with the reason logged."""
+    out = []
+    for name in proposer_names():
+        try:
+            engine.proposer(name)
+        except (ValueError, FileNotFoundError) as exc:
+            logger.info("speculation method %s unavailable: %s", name, exc)
+        else:
+            out.append(name)
+    return out

@@ -121,3 +121,10 @@ def test_retrain_keeps_the_current_policy_when_the_candidate_is_no_better() -> N
     assert not again.promote or again.candidate.value > again.current.value
     forced = retrain(synth.rows(800, seed=8), RuleConfig(), first.state, force=True)
     assert forced.promote and forced.reason == "forced by the operator"
+
+
+def test_inputs_far_outside_the_training_range_are_held_at_its_edge(model: GoodputModel) -> None:
+    feats = synth.features("code", 10, random.Random(0))
+    near = model.predict("embedded:ngram", {**feats, "load_running": 200.0})
+    far = model.predict("embedded:ngram", {**feats, "load_running": 1e9})
+    assert far.tokens_per_s == pytest.approx(near.tokens_per_s) and far.tokens_per_s > 0

@@ -43,13 +43,22 @@ def repetitive_prompts() -> list[list[int]]:
         ("suffix", "goodput"),
         ("draft_model", "static"),
         ("draft_model", "goodput"),
+        ("eagle", "static"),
+        ("eagle", "goodput"),
     ],
 )
 def test_greedy_speculation_is_token_identical_in_mixed_batches(
-    method: str, controller: str, make_engine: Callable[..., Engine], tiny_draft_dir: Path
+    method: str,
+    controller: str,
+    make_engine: Callable[..., Engine],
+    tiny_draft_dir: Path,
+    tiny_eagle_dir: Path,
 ) -> None:
     # The draft is a different model with the same tokenizer, so drafts are sometimes rejected.
-    options = {"draft_model": {"model": str(tiny_draft_dir)}} if method == "draft_model" else {}
+    options = {
+        "draft_model": {"draft_model": {"model": str(tiny_draft_dir)}},
+        "eagle": {"eagle": {"head": str(tiny_eagle_dir)}},
+    }.get(method, {})
     engine = make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options)
     engine.cost_model = FixedCosts()  # on a tiny model drafting costs as much as verifying: pretend not
     spec = SpecParams(method=method, controller=controller, num_speculative_tokens=3, k_max=5)
@@ -104,17 +113,21 @@ def test_the_target_as_its_own_draft_accepts_everything(
     assert stats.acceptance_histogram == [8, 8, 8, 8]
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
 def test_sampled_speculation_matches_the_target_distribution(
-    make_engine: Callable[..., Engine], tiny_llama_dir: Path, tiny_draft_dir: Path
+    method: str,
+    make_engine: Callable[..., Engine],
+    tiny_llama_dir: Path,
+    tiny_draft_dir: Path,
+    tiny_eagle_dir: Path,
 ) -> None:
     """The second output token is drawn through verification (accepted or recovered); its law
     must be the target's marginal, computed exactly from the target model."""
-    engine = make_engine(
-        num_blocks=2048, max_num_seqs=128, proposer_options={"draft_model": {"model": str(tiny_draft_dir)}}
-    )
+    options = {"draft_model": {"model": str(tiny_draft_dir)}, "eagle": {"head": str(tiny_eagle_dir)}}
+    engine = make_engine(num_blocks=2048, max_num_seqs=128, proposer_options={method: options[method]})
     prompt = prompts([7], seed=11)[0]
     params = dict(max_tokens=3, temperature=0.8, top_p=0.95, ignore_eos=True)
-    spec = SpecParams(method="draft_model", controller="static", num_speculative_tokens=2)
+    spec = SpecParams(method=method, controller="static", num_speculative_tokens=2)
     n = 1500
     counts = torch.zeros(96)
     drafted = 0
