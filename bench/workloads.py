@@ -7,20 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from policies import dataset
+
 DATA = Path(__file__).resolve().parent / "data"
 
-# Spec-Bench categories kept as they are; MT-bench's open-ended ones pooled as open chat.
-SPEC_BENCH = {
-    "summarization": "summarization",
-    "rag": "rag",
-    "qa": "qa",
-    "translation": "translation",
-    "math_reasoning": "math_reasoning",
-    "writing": "open_chat",
-    "roleplay": "open_chat",
-    "humanities": "open_chat",
-    "stem": "open_chat",
-}
+# The workload classifier's mapping of Spec-Bench categories (MT-bench's open-ended ones pooled as
+# open chat), less MT-bench's few math / reasoning / coding prompts: GSM8K and HumanEval stand for those.
+SPEC_BENCH = {k: v for k, v in dataset.SPEC_BENCH.items() if k not in ("math", "reasoning", "coding")}
 CATEGORIES = ["code", "summarization", "rag", "qa", "translation", "math_reasoning", "open_chat"]
 
 

@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.engine import Engine
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.spec.params import SpecParams
 from gateway.prompting import render_chat
 from policies import dataset
 from policies.classifier_training import split_by_group
@@ -58,19 +59,35 @@ def chat_ids(tokenizer: object, text: str, max_prompt_tokens: int) -> list[int] 
     return ids if len(ids) <= max_prompt_tokens else None
 
 
-def self_distill(
-    engine: Engine, items: list[tuple[str, str]], max_tokens: int, max_prompt_tokens: int, progress: Progress
-) -> list[Sample]:
-    """The target's greedy answers to every prompt that fits, generated in the engine's batches."""
-    samples: dict[str, Sample] = {}
+def submit(
+    engine: Engine,
+    items: list[tuple[str, str]],
+    tag: str,
+    max_tokens: int,
+    max_prompt_tokens: int,
+    progress: Progress,
+    spec: SpecParams | None = None,
+) -> dict[str, tuple[str, list[int]]]:
+    """Add every prompt that fits as a greedy request; request id -> (class, prompt ids). Prompts
+    too long are skipped (and counted as done)."""
+    out = {}
     for i, (category, text) in enumerate(items):
         ids = chat_ids(engine.tokenizer, text, max_prompt_tokens)
         if ids is None:
             progress(1)
             continue
-        rid = f"distill-{i}"
-        samples[rid] = Sample(category, len(ids), list(ids))
-        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        rid = f"{tag}-{i}"
+        out[rid] = (category, ids)
+        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
+    return out
+
+
+def self_distill(
+    engine: Engine, items: list[tuple[str, str]], max_tokens: int, max_prompt_tokens: int, progress: Progress
+) -> list[Sample]:
+    """The target's greedy answers to every prompt that fits, generated in the engine's batches."""
+    added = submit(engine, items, "distill", max_tokens, max_prompt_tokens, progress)
+    samples = {rid: Sample(category, len(ids), list(ids)) for rid, (category, ids) in added.items()}
     while engine.has_unfinished():
         for out in engine.step():
             samples[out.request_id].token_ids.extend(out.new_token_ids)

@@ -7,9 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 from engine.spec.params import SpecParams
-from gateway.eagle.data import chat_ids
+from gateway.eagle.data import submit
 
 
 def acceptance_by_class(
@@ -23,16 +22,9 @@ def acceptance_by_class(
 ) -> dict[str, dict[str, Any]]:
     """Greedy runs with a static draft length `k`: per class, mean accepted length (accepted drafts
     per verification step, plus the one token every step yields) and draft acceptance rate."""
-    classes: dict[str, str] = {}
     spec = SpecParams(method=method, controller="static", num_speculative_tokens=k, k_min=k, k_max=k)
-    for i, (category, text) in enumerate(items):
-        ids = chat_ids(engine.tokenizer, text, max_prompt_tokens)
-        if ids is None:
-            progress(1)
-            continue
-        rid = f"eval-{method}-{i}"
-        classes[rid] = category
-        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
+    added = submit(engine, items, f"eval-{method}", max_tokens, max_prompt_tokens, progress, spec)
+    classes = {rid: category for rid, (category, _) in added.items()}
     steps: dict[str, int] = defaultdict(int)
     drafted: dict[str, int] = defaultdict(int)
     accepted: dict[str, int] = defaultdict(int)

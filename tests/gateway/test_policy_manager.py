@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -30,30 +29,8 @@ def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def seed(engine, n: int) -> None:  # type: ignore[no-untyped-def]
-    now = time.time()
+    synth.insert(engine, n, seed=2)
     with engine.begin() as conn:
-        for i, row in enumerate(synth.rows(n, seed=2, max_running=8)):
-            at = dt.datetime.fromtimestamp(now - (n - i), tz=dt.UTC)
-            conn.execute(
-                insert(requests).values(
-                    request_id=uuid.uuid4().hex,
-                    endpoint="chat",
-                    model="m",
-                    stream=False,
-                    received_at=at,
-                    status=200,
-                    outcome="ok",
-                    cancelled=False,
-                    completion_tokens=32,
-                    tokens_per_s=row.tokens_per_s,
-                    tpot_ms=row.tpot_ms,
-                    route={"arm": row.arm},
-                    features=row.features,
-                    workload_class=row.label,
-                    num_draft_tokens=row.draft_tokens,
-                    num_accepted_draft_tokens=row.accepted_tokens,
-                )
-            )
         # Rows the learner must skip: failed, too short, routed before the policy (no arm).
         base = dict(
             endpoint="chat", model="m", stream=False, received_at=dt.datetime.now(dt.UTC), cancelled=False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 from policies.classes import WORKLOAD_CLASSES
 from policies.goodput import TrainingRow
@@ -67,3 +68,44 @@ def rows(
             )
         )
     return out
+
+
+def insert(engine: Any, n: int, seed: int, max_running: int = 8) -> None:
+    """`rows(n)` as finished requests in a telemetry database, ending now (inside any window)."""
+    import datetime as dt
+    import time
+    import uuid
+
+    from sqlalchemy import insert as sql_insert
+
+    from gateway.telemetry.tables import requests
+
+    now = time.time()
+    with engine.begin() as conn:
+        for i, row in enumerate(rows(n, seed=seed, max_running=max_running)):
+            at = dt.datetime.fromtimestamp(now - (n - i), tz=dt.UTC)
+            conn.execute(
+                sql_insert(requests).values(
+                    request_id=f"synthetic-{uuid.uuid4().hex}",
+                    endpoint="chat",
+                    model="m",
+                    stream=False,
+                    received_at=at,
+                    finished_at=at,
+                    status=200,
+                    outcome="ok",
+                    cancelled=False,
+                    completion_tokens=64,
+                    tokens_per_s=row.tokens_per_s,
+                    tpot_ms=row.tpot_ms,
+                    backend="embedded",
+                    spec_method=row.arm.split(":")[1],
+                    route={"arm": row.arm},
+                    features=row.features,
+                    workload_class=row.label,
+                    num_draft_tokens=row.draft_tokens,
+                    num_accepted_draft_tokens=row.accepted_tokens,
+                    policy="rules",
+                    policy_version="1",
+                )
+            )

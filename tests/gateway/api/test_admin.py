@@ -3,9 +3,6 @@ synthetic telemetry, rollback, explain, stats, backends, warm start after a rest
 
 from __future__ import annotations
 
-import datetime as dt
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import select
 
 from gateway.telemetry import schema
 from gateway.telemetry.tables import requests
@@ -132,36 +129,8 @@ def test_put_refuses_inconsistent_rules_with_422(live: LiveGateway) -> None:
 
 def _seed_telemetry(db: str, n: int) -> None:
     """Synthetic finished requests (ngram doubles code, halves open chat) in the window."""
-    now = time.time()
     engine = schema.make_engine(db)
-    with engine.begin() as conn:
-        for i, row in enumerate(synth.rows(n, seed=11, max_running=8)):
-            at = dt.datetime.fromtimestamp(now - (n - i), tz=dt.UTC)
-            conn.execute(
-                insert(requests).values(
-                    request_id=f"synthetic-{uuid.uuid4().hex}",
-                    endpoint="chat",
-                    model="m",
-                    stream=False,
-                    received_at=at,
-                    finished_at=at,
-                    status=200,
-                    outcome="ok",
-                    cancelled=False,
-                    completion_tokens=64,
-                    tokens_per_s=row.tokens_per_s,
-                    tpot_ms=row.tpot_ms,
-                    backend="embedded",
-                    spec_method=row.arm.split(":")[1],
-                    route={"arm": row.arm},
-                    features=row.features,
-                    workload_class=row.label,
-                    num_draft_tokens=row.draft_tokens,
-                    num_accepted_draft_tokens=row.accepted_tokens,
-                    policy="rules",
-                    policy_version="1",
-                )
-            )
+    synth.insert(engine, n, seed=11)
     engine.dispose()
 
 
