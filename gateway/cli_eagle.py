@@ -69,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         torch.save([{k: getattr(s, k) for k in s.__slots__} for s in samples], samples_path)
     tokens = sum(len(s.token_ids) - s.prompt_len for s in samples)
     sys.stdout.write(f"{len(samples)} samples, {tokens} answer tokens\n")
-    head = init_head(engine.runner, from_target=not args.random_init)
+    head = init_head(engine.runner, identity=not args.random_init)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed)
     with tqdm(total=cfg.steps, desc="training", unit="step") as bar:
 
@@ -147,9 +147,7 @@ def add_eagle_parser(sub: Any) -> None:
             p.add_argument(
                 "--resume", action="store_true", help="reuse samples.pt and checkpoint.pt in --out"
             )
-            p.add_argument(
-                "--random-init", action="store_true", help="do not start from the target's last layer"
-            )
+            p.add_argument("--random-init", action="store_true", help="start from noise, not the identity")
         else:
             p.add_argument("--head", default=None, help="head directory (default: the shipped one)")
             p.add_argument("--methods", default="eagle,ngram,suffix")

@@ -1,9 +1,9 @@
 """Training an EAGLE head on self-distilled data, with EAGLE's two losses: regression of the next
 feature (smooth L1) and cross-entropy of the target's next token through the target's LM head.
 
-The head starts from the target's last decoder layer (same shapes) and an `fc` that passes the
-feature through, so that a few minutes of CPU training start from a sensible predictor rather
-than from noise. Checkpoints (head, optimizer, step) make a long run resumable.
+The head starts as the identity on the feature (see `init_head`), so that a few minutes of CPU
+training start from a sensible predictor rather than from noise. Checkpoints (head, optimizer,
+step, random state, the rest of the epoch) make a long run resumable, exactly.
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ class TrainConfig:
             raise ValueError("steps >= 1, batch_tokens >= 8 and lr > 0 are required")
 
 
-def init_head(runner: ModelRunner, from_target: bool = True) -> EagleHead:
-    """A head shaped for the target; with `from_target`, its layer copies the target's last one."""
+def init_head(runner: ModelRunner, identity: bool = True) -> EagleHead:
+    """A head shaped for the target. With `identity`, it starts as the identity on the feature:
+    `fc` passes f_i through and the layer's residual branches (o_proj, down_proj) start at zero,
+    so training begins from "the next feature is this one" instead of from noise."""
     text_config = runner.model.config.get_text_config()
     head = EagleHead(EagleConfig.for_target(text_config)).float()
-    if not from_target:
+    if not identity:
         return head
-    last = runner.model.get_decoder().layers[-1]
     ours = cast(DecoderLayer, head.layers[0])
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(ours.self_attn, name).weight.copy_(getattr(last.self_attn, name).weight.float())
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(ours.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
-        ours.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
+        for linear in (head.fc, *ours.self_attn.children(), *ours.mlp.children()):
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.normal_(0.0, 0.02)
+        ours.self_attn.o_proj.weight.zero_()
+        ours.mlp.down_proj.weight.zero_()
         h = head.config.hidden_size
-        head.fc.weight.normal_(0.0, 0.01)
         head.fc.weight[:, h:] += torch.eye(h)  # [embedding | feature] -> feature, at first
         if head.fc.bias is not None:
             head.fc.bias.zero_()

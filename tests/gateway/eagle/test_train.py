@@ -90,10 +90,10 @@ def test_a_few_hundred_steps_raise_acceptance_well_above_an_untrained_head(
     runner = make_engine(model=str(target)).runner
     held_out = prompts(16, seed=99)
     torch.manual_seed(0)
-    untrained = init_head(runner, from_target=False)
+    untrained = init_head(runner, identity=False)
     save_head(untrained, tmp_path / "untrained")
     before = acceptance(make_engine, target, tmp_path / "untrained", held_out)
-    head = init_head(runner, from_target=False)
+    head = init_head(runner, identity=False)
     cfg = TrainConfig(steps=300, lr=3e-3, batch_tokens=256, noise=0.05, checkpoint_every=100)
     metrics = train(head, runner, samples, cfg, tmp_path / "ckpt.pt")
     save_head(head, tmp_path / "trained")
@@ -107,8 +107,8 @@ def test_training_resumes_from_its_checkpoint(
 ) -> None:
     runner = make_engine(model=str(target)).runner
     cfg = TrainConfig(steps=20, batch_tokens=128, checkpoint_every=10)
-    start = init_head(runner, from_target=False).state_dict()
-    full = init_head(runner, from_target=False)
+    start = init_head(runner, identity=False).state_dict()
+    full = init_head(runner, identity=False)
     full.load_state_dict(start)
     train(full, runner, samples, cfg, tmp_path / "a.pt")
 
@@ -119,12 +119,12 @@ def test_training_resumes_from_its_checkpoint(
         if step == 10:
             raise Crash
 
-    interrupted = init_head(runner, from_target=False)
+    interrupted = init_head(runner, identity=False)
     interrupted.load_state_dict(start)
     with pytest.raises(Crash):
         train(interrupted, runner, samples, cfg, tmp_path / "b.pt", on_step=crash_at_11)
     assert torch.load(tmp_path / "b.pt", weights_only=False)["step"] == 10
-    resumed = init_head(runner, from_target=False)  # its own init is overwritten by the checkpoint
+    resumed = init_head(runner, identity=False)  # its own init is overwritten by the checkpoint
     train(resumed, runner, samples, cfg, tmp_path / "b.pt", resume=True)
     assert torch.load(tmp_path / "b.pt", weights_only=False)["step"] == 20
     for k, v in full.state_dict().items():
@@ -135,7 +135,7 @@ def test_losses_are_finite_and_the_saved_head_loads(
     samples: list[Sample], make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
     runner = make_engine().runner
-    head = init_head(runner, from_target=True)
+    head = init_head(runner, identity=True)
     embed, lm = runner.embed_tokens().weight.float(), runner.lm_head().weight.float()
     loss, m = batch_loss(head, embed, lm, samples[:4], noise=0.0, ce_weight=0.1)
     assert torch.isfinite(loss) and m["vloss"] >= 0 and 0 <= m["acc"] <= 1
