@@ -48,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from engine.spec.eagle_io import save_head
     from gateway.eagle import data
     from gateway.eagle.evaluate import acceptance_by_class
-    from gateway.eagle.train import TrainConfig, init_head, train
+    from gateway.eagle.train import TrainConfig, draft_vocabulary, init_head, train
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +79,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             bar.refresh()
 
         metrics = train(head, engine.runner, samples, cfg, out / "checkpoint.pt", args.resume, on_step)
+    if args.draft_vocab > 0:
+        head.draft_vocab, coverage = draft_vocabulary(samples, args.draft_vocab)
+        sys.stdout.write(
+            f"draft vocabulary: {len(head.draft_vocab)} tokens, {coverage:.1%} of training answer tokens\n"
+        )
     head_dir = out / "head"
     command = "specgate eagle train " + shlex.join(
         sys.argv[3:] if sys.argv[1:3] == ["eagle", "train"] else []
@@ -144,6 +149,12 @@ def add_eagle_parser(sub: Any) -> None:
             p.add_argument("--steps", type=int, default=600)
             p.add_argument("--lr", type=float, default=1e-3)
             p.add_argument("--batch-tokens", type=int, default=1024)
+            p.add_argument(
+                "--draft-vocab",
+                type=int,
+                default=8192,
+                help="tokens drafts may use (0: the whole vocabulary)",
+            )
             p.add_argument(
                 "--resume", action="store_true", help="reuse samples.pt and checkpoint.pt in --out"
             )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model_runner import ModelRunner
 from engine.sampler import SamplingRow, process_logits
 from engine.spec.eagle_head import EagleHead
 from engine.spec.eagle_io import default_head_dir, load_head
@@ -48,6 +49,16 @@ class EagleProposer:
         self.embed = runner.embed_tokens()
         self.lm_head = runner.lm_head()
         self.vocab_size = ctx.vocab_size
+        # With a draft vocabulary, drafts score only those rows of the LM head (a gathered copy of
+        # them; the full head stays the target's). Without a plain weight to gather from (a
+        # prepacked, untied LM head) the full head is used.
+        self.draft_ids: torch.Tensor | None = None
+        self.draft_rows: torch.Tensor | None = None
+        if head.draft_vocab is not None:
+            weight = _plain_lm_weight(runner)
+            if weight is not None:
+                self.draft_ids = head.draft_vocab.to(ctx.device)
+                self.draft_rows = weight[self.draft_ids].clone()  # [n_draft, hidden]
         self.device = ctx.device
         self._states: dict[str, _State] = {}
 
@@ -84,6 +95,15 @@ class EagleProposer:
         out, st.kv = self.head(embeds, features.unsqueeze(0), positions, past)
         return out[0, -1]  # [hidden]
 
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """Draft logits [1, vocab] for one predicted feature; -inf outside the draft vocabulary."""
+        if self.draft_rows is None or self.draft_ids is None:
+            return self.lm_head(feature.unsqueeze(0)).float()[:, : self.vocab_size]
+        sub = (self.draft_rows @ feature).float()  # [n_draft]
+        full = sub.new_full((1, self.vocab_size), float("-inf"))
+        full[0, self.draft_ids] = sub
+        return full
+
     def _propose_one(self, r: ProposalRequest) -> Proposal:
         st = self._states.get(r.request_id)
         n = len(r.token_ids) - 1  # x_n: the newest committed token, not yet seen by the target
@@ -97,7 +117,7 @@ class EagleProposer:
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
         while True:
-            logits = self.lm_head(predicted.unsqueeze(0)).float()[:, : self.vocab_size]  # [1, vocab]
+            logits = self._logits(predicted)  # [1, vocab]
             base = r.row
             row = SamplingRow(
                 base.params,
@@ -119,6 +139,16 @@ class EagleProposer:
             # The next draft position: (the draft just made, the feature the head predicted for it).
             predicted = self._step(st, [token], predicted.unsqueeze(0), n + len(drafts) - 1)
         return Proposal(drafts, torch.stack(probs) if probs else None)
+
+
+def _plain_lm_weight(runner: ModelRunner) -> torch.Tensor | None:
+    """The LM head's weight as a plain [vocab, hidden] tensor: its own, or the tied embeddings'."""
+    own = getattr(runner.lm_head(), "weight", None)
+    if isinstance(own, torch.Tensor):
+        return own
+    tied = getattr(runner.model.config, "tie_word_embeddings", False)
+    embeddings = getattr(runner.embed_tokens(), "weight", None)
+    return embeddings if tied and isinstance(embeddings, torch.Tensor) else None
 
 
 register_proposer("eagle")(EagleProposer)

@@ -161,6 +161,10 @@ class EagleHead(nn.Module):
         self.config = c
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.bias)
         self.layers = nn.ModuleList([DecoderLayer(c)])
+        # Optional: the token ids drafts are chosen from (the most frequent in the training answers).
+        # Scoring only those rows of the LM head makes a draft token several times cheaper on a
+        # large vocabulary; tokens outside it are never drafted, which verification tolerates.
+        self.draft_vocab: torch.Tensor | None = None
 
     def forward(
         self,

@@ -16,6 +16,7 @@ from engine.spec.eagle_head import EagleConfig, EagleHead
 
 # Copies of the target's own tensors some releases ship; the head uses the target's instead.
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+DRAFT_VOCAB = "draft_vocab"  # specgate's optional addition: int64 [n] token ids drafts come from
 DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "data" / "eagle"
 
 
@@ -56,6 +57,7 @@ def load_head(directory: str | Path, hidden_size: int, vocab_size: int) -> tuple
         )
     state = {k.removeprefix("model."): v for k, v in _state_dict(directory).items()}
     state = {k: v for k, v in state.items() if k not in SHARED_KEYS}
+    draft_vocab = state.pop(DRAFT_VOCAB, None)
     head = EagleHead(config)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -63,6 +65,11 @@ def load_head(directory: str | Path, hidden_size: int, vocab_size: int) -> tuple
             f"EAGLE head {directory} does not match the EAGLE-1/2 layout: "
             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
         )
+    if draft_vocab is not None:
+        ids = draft_vocab.long()
+        if ids.ndim != 1 or len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"EAGLE head {directory}: draft_vocab must list token ids below {vocab_size}")
+        head.draft_vocab = ids
     return head.eval(), raw
 
 
@@ -72,4 +79,6 @@ def save_head(head: EagleHead, directory: str | Path, extra: dict[str, Any] | No
     config = {**head.config.to_dict(), **(extra or {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    if head.draft_vocab is not None:
+        state[DRAFT_VOCAB] = head.draft_vocab.to(torch.int64).contiguous()
     save_file(state, str(directory / "model.safetensors"))

@@ -174,3 +174,17 @@ def train(
             tmp.replace(checkpoint)  # a crash mid-write never leaves a broken checkpoint
     head.eval()
     return metrics
+
+
+def draft_vocabulary(samples: list[Sample], size: int) -> tuple[torch.Tensor, float]:
+    """The `size` tokens most frequent in the training prompts and answers (answers weigh double:
+    they are what drafts predict), and the share of answer tokens they cover."""
+    counts: dict[int, int] = {}
+    for s in samples:
+        for i, t in enumerate(s.token_ids):
+            counts[t] = counts.get(t, 0) + (2 if i >= s.prompt_len else 1)
+    ids = sorted(sorted(counts, key=lambda t: -counts[t])[:size])
+    kept = set(ids)
+    answers = [t for s in samples for t in s.token_ids[s.prompt_len :]]
+    coverage = sum(t in kept for t in answers) / max(1, len(answers))
+    return torch.tensor(ids, dtype=torch.int64), coverage

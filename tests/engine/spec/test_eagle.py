@@ -122,3 +122,32 @@ def test_heads_for_another_target_are_refused(runner: ModelRunner, tmp_path: Pat
         proposer(runner, tmp_path / "empty")
     cfg = json.loads((tmp_path / "wide" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["model_type"] == "llama"
+
+
+def test_a_draft_vocabulary_restricts_drafts_and_survives_a_round_trip(
+    runner: ModelRunner, tiny_eagle_dir: Path, tmp_path: Path
+) -> None:
+    head, _ = load_head(tiny_eagle_dir, runner.hidden_size, runner.vocab_size)
+    subset = torch.arange(0, VOCAB_SIZE, 3)  # every third token
+    head.draft_vocab = subset
+    save_head(head, tmp_path / "sub")
+    loaded, _ = load_head(tmp_path / "sub", runner.hidden_size, runner.vocab_size)
+    assert loaded.draft_vocab is not None and loaded.draft_vocab.tolist() == subset.tolist()
+    rng = random.Random(4)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(10)]
+    eagle = proposer(runner, tmp_path / "sub")
+    eagle.start("a", tokens)
+    eagle.observe_hidden("a", 0, features(runner, tokens[:-1]))
+    drafts = eagle.propose([request("a", tokens, 6)])[0].token_ids
+    assert len(drafts) == 6 and all(t % 3 == 0 for t in drafts)
+    # The first draft is the best-scoring token of the subset under the full LM head.
+    with torch.no_grad():
+        embeds = runner.embed_tokens()(torch.tensor([tokens[1:]]))
+        out, _ = loaded(embeds, features(runner, tokens[:-1]).unsqueeze(0), torch.arange(len(tokens) - 1))
+        scores = runner.lm_head()(out[0, -1])
+    assert drafts[0] == int(subset[scores[subset].argmax()])
+    bad = EagleHead(head.config)
+    bad.draft_vocab = torch.tensor([0, VOCAB_SIZE + 5])
+    save_head(bad, tmp_path / "bad")
+    with pytest.raises(ValueError, match="draft_vocab"):
+        load_head(tmp_path / "bad", runner.hidden_size, runner.vocab_size)

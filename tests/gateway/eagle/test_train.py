@@ -144,3 +144,13 @@ def test_losses_are_finite_and_the_saved_head_loads(
     assert raw["specgate"]["note"] == "test"
     for k, v in head.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v)
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens() -> None:
+    from gateway.eagle.train import draft_vocabulary
+
+    samples = [Sample("x", 2, [5, 6, 7, 7, 7, 8]), Sample("x", 1, [9, 7, 8, 8])]
+    ids, coverage = draft_vocabulary(samples, 2)
+    assert ids.tolist() == [7, 8] and coverage == 1.0  # answer tokens count double
+    ids, coverage = draft_vocabulary(samples, 1)
+    assert ids.tolist() == [7] and coverage == pytest.approx(4 / 7)
