@@ -31,6 +31,7 @@ class Sample:
     prompt_len: int
     token_ids: list[int]  # prompt + the target's answer
     features: torch.Tensor | None = None  # [len(token_ids), hidden], the target's final hidden states
+    next_ids: torch.Tensor | None = None  # [len(token_ids)] the target's greedy pick after each position
 
 
 def prompts(

@@ -33,6 +33,8 @@ class TrainConfig:
     warmup: int = 20
     seed: int = 0
     checkpoint_every: int = 100
+    prompt_loss: bool = True  # supervise prompt positions too (more data from the same passes)
+    weight_decay: float = 0.01
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_tokens < 8 or self.lr <= 0:
@@ -68,9 +70,12 @@ def batch_loss(
     samples: list[Sample],
     noise: float,
     ce_weight: float,
+    prompt_loss: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Teacher-forced over each sample: head position i reads (x_{i+1}, f_i) and predicts f_{i+1};
-    supervised from the last prompt position on (where drafting starts)."""
+    """Teacher-forced over each sample: head position i reads (x_{i+1}, f_i) and predicts f_{i+1},
+    and through the LM head the token the target itself picks after position i + 1. Supervised over
+    the whole sequence (the prompt's features are the target's too), or with `prompt_loss` off
+    from the last prompt position on (where drafting starts)."""
     vlosses, plosses, hits, count = [], [], 0, 0
     for s in samples:
         assert s.features is not None
@@ -82,15 +87,13 @@ def batch_loss(
             inp = inp + (torch.rand_like(inp) - 0.5) * 2 * noise * feats.std()
         pred, _ = head(embed[ids[1:]].unsqueeze(0), inp.unsqueeze(0), torch.arange(t - 1))
         pred = pred[0]  # [T - 1, hidden]: predicted f_1 .. f_{T-1}
-        first = max(0, s.prompt_len - 1)
+        first = 0 if prompt_loss else max(0, s.prompt_len - 1)
         vlosses.append(F.smooth_l1_loss(pred[first:], feats[1:][first:], reduction="sum") / feats.shape[1])
-        # f̂_{i+1} -> token x_{i+2}, for i + 2 < T.
-        logits = pred[first : t - 2] @ lm_head.T  # [n, vocab]
-        target = ids[first + 2 :]
-        if len(target):
-            plosses.append(F.cross_entropy(logits, target, reduction="sum"))
-            hits += int((logits.argmax(-1) == target).sum())
-            count += len(target)
+        logits = pred[first:] @ lm_head.T  # [n, vocab]
+        target = target_choices(s, lm_head)[1:][first:]  # the target's pick after f_{i+1}
+        plosses.append(F.cross_entropy(logits, target, reduction="sum"))
+        hits += int((logits.argmax(-1) == target).sum())
+        count += len(target)
     n = max(1, count)
     vloss = torch.stack(vlosses).sum() / n
     ploss = torch.stack(plosses).sum() / n if plosses else torch.zeros(())
@@ -98,7 +101,19 @@ def batch_loss(
     return vloss + ce_weight * ploss, metrics
 
 
-def _batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+@torch.no_grad()
+def target_choices(s: Sample, lm_head: torch.Tensor) -> torch.Tensor:
+    """[T] the target's greedy token after each position of the sample (cached on it). In the
+    answers this is the next token itself; in the prompt, what the target would have said."""
+    if s.next_ids is None:
+        assert s.features is not None
+        s.next_ids = (s.features.float() @ lm_head.T).argmax(-1)
+    return s.next_ids
+
+
+def _batches(
+    samples: list[Sample], batch_tokens: int, rng: random.Random, prompt_loss: bool
+) -> list[list[int]]:
     """One epoch of batches, as sample indices (so a checkpoint can hold the rest of the epoch)."""
     order = list(range(len(samples)))
     rng.shuffle(order)
@@ -107,7 +122,7 @@ def _batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> li
     size = 0
     for i in order:
         cur.append(i)
-        size += len(samples[i].token_ids) - samples[i].prompt_len
+        size += len(samples[i].token_ids) - (0 if prompt_loss else samples[i].prompt_len)
         if size >= batch_tokens:
             out.append(cur)
             cur, size = [], 0
@@ -129,7 +144,7 @@ def train(
     rng = random.Random(cfg.seed)
     embed = runner.weight_of(runner.embed_tokens()).detach().float()
     lm_head = runner.weight_of(runner.lm_head()).detach().float()
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start = 0
     queue: list[list[int]] = []
     if resume and checkpoint is not None and checkpoint.exists():
@@ -145,11 +160,11 @@ def train(
     head.train()
     for step in range(start, cfg.steps):
         if not queue:
-            queue = _batches(samples, cfg.batch_tokens, rng)
+            queue = _batches(samples, cfg.batch_tokens, rng, cfg.prompt_loss)
         batch = [samples[i] for i in queue.pop()]
         for group in opt.param_groups:
             group["lr"] = cfg.lr * schedule(step)
-        loss, metrics = batch_loss(head, embed, lm_head, batch, cfg.noise, cfg.ce_weight)
+        loss, metrics = batch_loss(head, embed, lm_head, batch, cfg.noise, cfg.ce_weight, cfg.prompt_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
