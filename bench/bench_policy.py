@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -66,7 +67,7 @@ def goodput(results: list[RequestResult]) -> dict[str, float]:
 
 
 async def run_pass(
-    base: str, reqs: list, arms: str | list[str], tag: str, temperature: float
+    base: str, reqs: list, arms: str | list[str], tag: str, temperature: float | list[float]
 ) -> list[RequestResult]:
     """Every prompt once, sequentially (one request in flight, batch size one), under `arms` (one
     arm, or one per prompt)."""
@@ -77,7 +78,8 @@ async def run_pass(
     for i, req in enumerate(reqs):
         arm = arms if isinstance(arms, str) else arms[i]
         forced = POLICY if arm in LEARNED_ARMS else arm
-        res = await send(client, model, req, forced, f"{tag}-{run}-{arm}-{i}", temperature)
+        temp = temperature if isinstance(temperature, float) else temperature[i]
+        res = await send(client, model, req, forced, f"{tag}-{run}-{arm}-{i}", temp)
         res.arm = arm
         out.append(res)
         sys.stderr.write(f"\r{tag}: {i + 1}/{len(reqs)} requests")
@@ -176,11 +178,17 @@ def run_all(args: argparse.Namespace, out: Path) -> int:
     per = args.train_per_category + args.eval_per_category
     train, test = split(datasets.shipped(per, args.max_tokens), args.train_per_category)
     static = args.arms.split(",")
+
+    def temps(reqs: list) -> list[float]:
+        """Per request: the base temperature, or for a seeded `--hot-share` of them the hot one."""
+        rng = random.Random(len(reqs))
+        return [args.hot_temperature if rng.random() < args.hot_share else args.temperature for _ in reqs]
+
     t0 = time.perf_counter()
     # Training: each prompt once, under one arm (a prompt answered twice would let the suffix
     # proposer's shared cache replay the first answer to the second arm).
     arms_of = rotate(train, static)
-    on_fresh_gateway(args, out, lambda base: run_pass(base, train, arms_of, "train", args.temperature))
+    on_fresh_gateway(args, out, lambda base: run_pass(base, train, arms_of, "train", temps(train)))
     n_rows = len(train)
     retrain: dict[str, Any] = {}
     evals: dict[str, list[RequestResult]] = {}
@@ -193,16 +201,16 @@ def run_all(args: argparse.Namespace, out: Path) -> int:
             retrain.update(
                 admin(base, "POST", "/admin/policy/retrain", {"force": True}), declined=retrain["reason"]
             )
-        return await run_pass(base, test, "learned", "eval", args.temperature)
+        return await run_pass(base, test, "learned", "eval", temps(test))
 
     async def rules(base: str) -> list[RequestResult]:
         admin(base, "POST", "/admin/policy/rollback/1", None)
-        return await run_pass(base, test, "rules", "eval", args.temperature)
+        return await run_pass(base, test, "rules", "eval", temps(test))
 
     evals["learned"] = on_fresh_gateway(args, out, learned)
     for arm in static:
         evals[arm] = on_fresh_gateway(
-            args, out, lambda base, arm=arm: run_pass(base, test, arm, "eval", args.temperature)
+            args, out, lambda base, arm=arm: run_pass(base, test, arm, "eval", temps(test))
         )
     evals["rules"] = on_fresh_gateway(args, out, rules)
     evals = {a: evals[a] for a in [*static, "learned", "rules"]}
@@ -212,6 +220,7 @@ def run_all(args: argparse.Namespace, out: Path) -> int:
         "eval_prompts": len(test),
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "hot_share": args.hot_share,
         "static_arms": static,
         "learned_version": retrain.get("version"),
         "retrain_forced": "declined" in retrain,
@@ -233,6 +242,10 @@ def main() -> int:
     p.add_argument("--eval-per-category", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--hot-share", type=float, default=0.0, help="share of requests sampled at --hot-temperature instead"
+    )
+    p.add_argument("--hot-temperature", type=float, default=1.0)
     p.add_argument("--arms", default="plain,ngram,suffix", help="static arms: plain or proposer names")
     p.add_argument("--model", default=None, help="embedded model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None)

@@ -76,7 +76,10 @@ class ModelRunner:
         # reference to it on the forward passes that ask (no copy, no cost otherwise).
         self._capture = False
         self._captured: torch.Tensor | None = None
-        self.model.get_decoder().norm.register_forward_hook(self._keep_hidden)
+        final_norm = getattr(self.model.get_decoder(), "norm", None)
+        self.has_features = isinstance(final_norm, torch.nn.Module)
+        if final_norm is not None:
+            final_norm.register_forward_hook(self._keep_hidden)
         logger.info(
             "loaded %s (%s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
             self.source.name,
@@ -204,6 +207,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Logits [sum of num_logits, vocab] in item order and, if `hidden`, each item's final-norm
         hidden states [len(token_ids), hidden_size] (the features EAGLE drafts from)."""
+        if hidden and not self.has_features:
+            raise ValueError(f"{self.source.name}: no final norm found to read hidden states from")
         input_ids, positions, logit_index, meta, token_rows = self._prepare(items)
         self._capture, self._captured = hidden, None
         try:

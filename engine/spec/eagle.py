@@ -35,8 +35,10 @@ class EagleProposer:
 
     def __init__(self, ctx: ProposerContext) -> None:
         runner = ctx.runner
-        if runner is None:
-            raise ValueError("the eagle proposer needs the target model (ProposerContext.runner)")
+        if runner is None or not runner.has_features:
+            raise ValueError(
+                "the eagle proposer needs the target's final hidden states, which this model lacks"
+            )
         path = ctx.options.get("head") or default_head_dir(ctx.model_name)
         if path is None:
             raise ValueError(
