@@ -11,6 +11,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.spec.params import SpecParams
 from gateway.prompting import render_chat
 
 pytestmark = pytest.mark.slow
@@ -39,5 +40,17 @@ def test_default_model_loads_offline_and_answers(tmp_path: Path, monkeypatch: py
     again = Engine(EngineConfig(convert_cache_dir=str(cache), dtype="float32"))
     assert time.perf_counter() - start < 30  # the cached safetensors reload fast (GGUF takes ~15 s)
     assert "Paris" in _answer(again, "What is the capital of France?")
+    # The EAGLE head shipped for this model works out of the box, and losslessly (fp32 here).
+    question = "Write a Python function that returns the squares of a list of numbers."
+    plain = _answer(again, question)
+    ids = render_chat(again.tokenizer, [{"role": "user", "content": question}])
+    spec = SpecParams("eagle", controller="static", num_speculative_tokens=3)
+    again.add_request("eagle", ids, SamplingParams(max_tokens=24, temperature=0.0), spec)
+    text, last = "", None
+    while again.has_unfinished():
+        for out in again.step():
+            text, last = text + out.new_text, out
+    assert text == plain
+    assert last is not None and last.stats.spec is not None and last.stats.spec.num_accepted_draft_tokens > 0
     assert not any(p.name.startswith(".converting") for p in cache.iterdir())
     assert os.environ["HF_HUB_OFFLINE"] == "1"
