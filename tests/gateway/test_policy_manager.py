@@ -35,31 +35,14 @@ def seed(engine, n: int) -> None:  # type: ignore[no-untyped-def]
         base = dict(
             endpoint="chat", model="m", stream=False, received_at=dt.datetime.now(dt.UTC), cancelled=False
         )
-        conn.execute(insert(requests).values(request_id="e", status=500, outcome="error", **base))
-        conn.execute(
-            insert(requests).values(
-                request_id="s",
-                status=200,
-                outcome="ok",
-                completion_tokens=1,
-                tokens_per_s=5.0,
-                route={"arm": "embedded:off"},
-                features={"p_code": 1.0},
-                **base,
-            )
-        )
-        conn.execute(
-            insert(requests).values(
-                request_id="n",
-                status=200,
-                outcome="ok",
-                completion_tokens=50,
-                tokens_per_s=5.0,
-                route={"backend": "x"},
-                features={"p_code": 1.0},
-                **base,
-            )
-        )
+        ok = dict(status=200, outcome="ok", tokens_per_s=5.0, features={"p_code": 1.0}, **base)
+        skipped = [
+            dict(request_id="e", status=500, outcome="error", **base),
+            {**ok, "request_id": "s", "completion_tokens": 1, "route": {"arm": "embedded:off"}},
+            {**ok, "request_id": "n", "completion_tokens": 50, "route": {"backend": "x"}},
+        ]
+        for row in skipped:
+            conn.execute(insert(requests).values(**row))
 
 
 def test_fresh_install_then_warm_start(engine) -> None:  # type: ignore[no-untyped-def]
