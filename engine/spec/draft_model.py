@@ -15,8 +15,15 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ForwardItem, ModelRunner
-from engine.sampler import SamplingRow, process_logits
-from engine.spec.proposer import Proposal, ProposalRequest, ProposerContext, register_proposer
+from engine.sampler import process_logits
+from engine.spec.proposer import (
+    Proposal,
+    ProposalRequest,
+    ProposerContext,
+    draft_row,
+    draw_draft,
+    register_proposer,
+)
 
 
 @dataclass(slots=True)
@@ -108,28 +115,13 @@ class DraftModelProposer:
                 items.append(ForwardItem(tokens, len(st.cached), st.block_table, 1))
                 st.cached.extend(tokens)
             logits = self._fit_vocab(self.runner.execute(items).float())  # [len(live), vocab]
-            rows = []
-            for i in live:
-                r = requests[i]
-                base = r.row
-                rows.append(
-                    SamplingRow(
-                        base.params,
-                        [*r.token_ids, *drafts[i]],
-                        base.num_prompt_tokens,
-                        base.generator,
-                        base.suppress_token_ids,
-                    )
-                )
+            rows = [draft_row(requests[i], drafts[i]) for i in live]
             processed = process_logits(logits, rows)  # [len(live), vocab]
             next_live, next_feed = [], []
             for j, i in enumerate(live):
                 r = requests[i]
-                if r.row.params.greedy:
-                    token = int(processed[j].argmax())
-                else:
-                    q = processed[j].softmax(dim=-1)
-                    token = int(torch.multinomial(q, 1, generator=r.row.generator).item())
+                token, q = draw_draft(processed[j], rows[j])
+                if q is not None:
                     probs[i].append(q)
                 drafts[i].append(token)
                 if len(drafts[i]) < r.k:

@@ -16,10 +16,17 @@ from pathlib import Path
 import torch
 
 from engine.model_runner import ModelRunner
-from engine.sampler import SamplingRow, process_logits
+from engine.sampler import process_logits
 from engine.spec.eagle_head import EagleHead
 from engine.spec.eagle_io import default_head_dir, load_head
-from engine.spec.proposer import Proposal, ProposalRequest, ProposerContext, register_proposer
+from engine.spec.proposer import (
+    Proposal,
+    ProposalRequest,
+    ProposerContext,
+    draft_row,
+    draw_draft,
+    register_proposer,
+)
 
 
 @dataclass(slots=True)
@@ -119,21 +126,10 @@ class EagleProposer:
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
         while True:
-            logits = self._logits(predicted)  # [1, vocab]
-            base = r.row
-            row = SamplingRow(
-                base.params,
-                [*r.token_ids, *drafts],
-                base.num_prompt_tokens,
-                base.generator,
-                base.suppress_token_ids,
-            )
-            processed = process_logits(logits, [row])[0]  # [vocab]
-            if base.params.greedy:
-                token = int(processed.argmax())
-            else:
-                q = processed.softmax(dim=-1)
-                token = int(torch.multinomial(q, 1, generator=base.generator).item())
+            row = draft_row(r, drafts)
+            processed = process_logits(self._logits(predicted), [row])[0]  # [vocab]
+            token, q = draw_draft(processed, row)
+            if q is not None:
                 probs.append(q)
             drafts.append(token)
             if len(drafts) >= r.k:

@@ -71,6 +71,23 @@ class Proposer(Protocol):
         """The request ended; release its state (a proposer may keep what it learned)."""
 
 
+def draft_row(r: ProposalRequest, drafts: Sequence[int]) -> SamplingRow:
+    """The request's sampling state after its first `drafts`, for scoring the next draft position."""
+    base = r.row
+    return SamplingRow(
+        base.params, [*r.token_ids, *drafts], base.num_prompt_tokens, base.generator, base.suppress_token_ids
+    )
+
+
+def draw_draft(processed: torch.Tensor, row: SamplingRow) -> tuple[int, torch.Tensor | None]:
+    """A draft token from processed logits [vocab]: the argmax for a greedy request (a point mass, no
+    distribution), else a sample and the distribution q it came from, which verification needs."""
+    if row.params.greedy:
+        return int(processed.argmax()), None
+    q = processed.softmax(dim=-1)
+    return int(torch.multinomial(q, 1, generator=row.generator).item()), q
+
+
 ProposerFactory = Callable[[ProposerContext], Proposer]
 _REGISTRY: dict[str, ProposerFactory] = {}
 
