@@ -53,9 +53,13 @@ def vector(features: dict[str, float]) -> np.ndarray:
 
 @dataclass(slots=True)
 class Prediction:
-    tokens_per_s: float
+    log_mean: float  # posterior mean of log tokens/s
     log_std: float  # posterior spread of log tokens/s
     tpot_ms: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return math.exp(self.log_mean)
 
     def as_dict(self) -> dict[str, float]:
         out = {"tokens_per_s": round(self.tokens_per_s, 3), "log_std": round(self.log_std, 4)}
@@ -76,21 +80,27 @@ class ArmModel:
     tpot_coef: np.ndarray | None  # [n_features], target log TPOT ms
     tpot_intercept: float = 0.0
 
-    def predict_log(self, x: np.ndarray) -> tuple[float, float]:
+    def _standardize(self, x: np.ndarray) -> np.ndarray:
         # A linear model extrapolates without limit: inputs far outside the training range (a load
         # never seen) are held at its edge.
-        z = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)
+        return np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)  # [n_features]
+
+    def _moments(self, z: np.ndarray) -> tuple[float, float]:
         mu = float(z @ self.coef + self.intercept)
         var = float(z @ self.sigma @ z) + 1.0 / self.noise_precision
         return mu, math.sqrt(max(var, 0.0))
 
+    def predict_log(self, x: np.ndarray) -> tuple[float, float]:
+        """Posterior mean and spread of log tokens/s."""
+        return self._moments(self._standardize(x))
+
     def predict(self, x: np.ndarray) -> Prediction:
-        mu, std = self.predict_log(x)
+        z = self._standardize(x)
+        mu, std = self._moments(z)
         tpot = None
         if self.tpot_coef is not None:
-            z = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)
             tpot = math.exp(float(z @ self.tpot_coef + self.tpot_intercept))
-        return Prediction(math.exp(mu), std, tpot)
+        return Prediction(mu, std, tpot)
 
     @classmethod
     def fit(cls, x: np.ndarray, tps: np.ndarray, tpot: np.ndarray) -> ArmModel:

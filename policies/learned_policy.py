@@ -40,8 +40,7 @@ class LearnedPolicy:
             return decision
         x = vector(ctx.model_input())
         preds = {a: self.model.arms[a.key].predict(x) for a in modelled}
-        logs = {a: self.model.arms[a.key].predict_log(x) for a in modelled}
-        greedy = max(modelled, key=lambda a: logs[a][0])
+        greedy = max(modelled, key=lambda a: preds[a].log_mean)
         pick, explored = greedy, False
         if explore:
             unmodelled = [a for a in arms if a.key not in self.model.arms]
@@ -51,7 +50,8 @@ class LearnedPolicy:
             elif self.rules.thompson_scale > 0 and len(modelled) > 1:
                 scale = self.rules.thompson_scale
                 sampled = max(
-                    modelled, key=lambda a: logs[a][0] + scale * logs[a][1] * self.rng.gauss(0.0, 1.0)
+                    modelled,
+                    key=lambda a: preds[a].log_mean + scale * preds[a].log_std * self.rng.gauss(0.0, 1.0),
                 )
                 if sampled != greedy and self.budget.allows():
                     pick = sampled
@@ -63,6 +63,3 @@ class LearnedPolicy:
         decision = self.fallback.finish(ctx, pick, "; ".join(why), explored)
         decision.predictions = {a.key: p.as_dict() for a, p in preds.items()}
         return decision
-
-    def arm_keys(self) -> list[str]:
-        return sorted(self.model.arms)
