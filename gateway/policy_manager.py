@@ -46,14 +46,10 @@ class PolicyManager:
         """Install the active version, or record the default rules as version 1 on a fresh database."""
         row = self.store.active()
         if row is None:
-            state = PolicyState()
-            version = self.store.add(
-                self._values(state, "default", "active", note="rules on a fresh install")
-            )
-            self.store.activate(version)
-            row = self.store.get(version)
-            assert row is not None
-        self._install(row)
+            values = self._values(PolicyState(), "default", "active", note="rules on a fresh install")
+            self._activate(self.store.add(values))
+        else:
+            self._install(row)
         logger.info("routing policy version %s (%s) active", self.version, self.state.kind)
 
     def _install(self, row: Version) -> None:
@@ -84,7 +80,7 @@ class PolicyManager:
         }
 
     def versions(self, limit: int = 50) -> list[Version]:
-        return [{k: v for k, v in row.items() if k != "artifact"} for row in self.store.recent(limit)]
+        return [_summary(row) for row in self.store.recent(limit)]
 
     async def update_rules(self, rules: RuleConfig, note: str | None) -> Version:
         async with self._lock:
@@ -102,12 +98,15 @@ class PolicyManager:
             )
 
     def _add_active(self, state: PolicyState, source: str, note: str | None) -> Version:
-        version = self.store.add(self._values(state, source, "retired", note=note))
+        return self._activate(self.store.add(self._values(state, source, "retired", note=note)))
+
+    def _activate(self, version: int) -> Version:
+        """Make a stored version the active one and route by it from now on; its summary."""
         self.store.activate(version)
         row = self.store.get(version)
         assert row is not None
         self._install(row)
-        return {k: v for k, v in row.items() if k != "artifact"}
+        return _summary(row)
 
     async def retrain(self, force: bool = False, window_hours: float | None = None) -> dict[str, Any]:
         if not self.persistent:
@@ -135,10 +134,7 @@ class PolicyManager:
             )
             version = await asyncio.to_thread(self.store.add, values)
             if result.promote:
-                await asyncio.to_thread(self.store.activate, version)
-                row = await asyncio.to_thread(self.store.get, version)
-                assert row is not None
-                self._install(row)
+                await asyncio.to_thread(self._activate, version)
             logger.info(
                 "retrain: version %s %s (%s)",
                 version,
@@ -172,3 +168,8 @@ class PolicyManager:
                 logger.info("scheduled retrain skipped: %s", exc.message)
             except Exception:
                 logger.exception("scheduled retrain failed")
+
+
+def _summary(row: Version) -> Version:
+    """A version row without its artifact (the fitted model can be large)."""
+    return {k: v for k, v in row.items() if k != "artifact"}
