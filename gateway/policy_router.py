@@ -7,7 +7,6 @@ request is still classified and recorded, so the policy learns from it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,16 +54,14 @@ class PolicyRouter:
         registry: BackendRegistry,
         classifier: WorkloadClassifier,
         manager: PolicyManager,
-        load: Callable[[], LoadSignals],
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.classifier = classifier
         self.manager = manager
-        self.load = load
 
-    def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision:
-        return self.plan(request).route
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
+        return self.plan(request, load).route
 
     def arms(self, names: list[str]) -> list[Arm]:
         out: list[Arm] = []
@@ -77,12 +74,13 @@ class PolicyRouter:
                 out.append(Arm(name, UPSTREAM))
         return out
 
-    def plan(self, request: ChatCompletionRequest | CompletionRequest, explore: bool = True) -> Plan:
+    def plan(
+        self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals, explore: bool = True
+    ) -> Plan:
         names, why = candidate_backends(self.settings, self.registry, request.model)
         info = request_info(request)
         cls = self.classifier.classify(info)
         features = request_features(info, cls.probs)
-        load = self.load()
         arms = self.arms(names)
         manager = self.manager
         decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)

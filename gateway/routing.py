@@ -14,6 +14,7 @@ from gateway.errors import APIError
 from gateway.registry import BackendRegistry
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings, SpecSettings
+from policies.load import LoadSignals
 
 
 @dataclass(slots=True)
@@ -49,7 +50,9 @@ class RouteDecision:
 
 
 class Router(Protocol):
-    def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision: ...
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
+        """`load`: the load at the request's arrival, the same snapshot its record keeps."""
+        ...
 
 
 class StaticRouter:
@@ -57,7 +60,7 @@ class StaticRouter:
         self.settings = settings
         self.registry = registry
 
-    def route(self, request: ChatCompletionRequest | CompletionRequest) -> RouteDecision:
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
         names, reason = candidate_backends(self.settings, self.registry, request.model)
         configured = self.settings.routes.get(request.model)
         spec = (

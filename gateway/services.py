@@ -53,25 +53,26 @@ class Services:
         client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=200))
         registry = BackendRegistry.from_settings(settings, client, cache_dir)
         store = TelemetryStore(settings.telemetry) if settings.telemetry.enabled else None
-        services = cls(
-            settings=settings,
-            client=client,
-            registry=registry,
-            router=StaticRouter(settings, registry),
-            metrics=Metrics(),
-            recent=MemorySink(),
-            store=store,
-            limiter=RateLimiter(settings.rate_limit_rpm),
-            extra_sinks=[sink] if sink is not None else [],
-        )
+        policy: PolicyManager | None = None
+        router: Router = StaticRouter(settings, registry)
         if settings.policy.enabled:
             path = settings.policy.classifier_path
             classifier = WorkloadClassifier.load(Path(path) if path else DEFAULT_ARTIFACT)
             versions = SqlPolicyStore(store.engine) if store is not None else MemoryPolicyStore()
-            services.policy = PolicyManager(settings.policy, versions, persistent=store is not None)
-            services.router = PolicyRouter(
-                settings, registry, classifier, services.policy, services.load_signals
-            )
+            policy = PolicyManager(settings.policy, versions, persistent=store is not None)
+            router = PolicyRouter(settings, registry, classifier, policy)
+        services = cls(
+            settings=settings,
+            client=client,
+            registry=registry,
+            router=router,
+            metrics=Metrics(),
+            recent=MemorySink(),
+            store=store,
+            limiter=RateLimiter(settings.rate_limit_rpm),
+            policy=policy,
+            extra_sinks=[sink] if sink is not None else [],
+        )
         if store is not None:
             services.readiness["store"] = store.ready
             services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
@@ -145,9 +146,8 @@ class Services:
             backends=backends,
         )
 
-    def load_snapshot(self) -> dict[str, Any]:
-        """The load at a request's arrival, recorded with it (the policy learns from it)."""
-        load = self.load_signals()
+    def load_snapshot(self, load: LoadSignals) -> dict[str, Any]:
+        """`load` as the request's record keeps it (the columns of its row)."""
         out: dict[str, Any] = {}
         embedded = self.registry.embedded
         if embedded is not None and embedded.worker is not None:

@@ -35,6 +35,7 @@ async def handle(
 ) -> Response:
     state = request.state
     state.recorded = True  # from here on, this function leaves the request's record
+    load = svc.load_signals()  # one snapshot: what the record keeps is what the policy saw
     rec = RequestRecord(
         state.request_id,
         kind,
@@ -42,13 +43,13 @@ async def handle(
         state.received_at,
         bool(parsed.stream),
         api_key_id=key_id,
-        load=svc.load_snapshot(),
+        load=svc.load_snapshot(load),
     )
     svc.metrics.in_flight.inc()
     streaming = False
     call: BackendCall | None = None
     try:
-        decision = svc.router.route(parsed)
+        decision = svc.router.route(parsed, load)
         rec.route = decision.as_dict()
         rec.features = decision.features
         rec.workload_class = decision.workload_class

@@ -20,9 +20,9 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 @router.post("/route/explain", summary="Dry run: how a chat request would be classified and routed")
 async def explain(body: ChatCompletionRequest, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
     if not isinstance(svc.router, PolicyRouter):
-        decision = svc.router.route(body)
+        decision = svc.router.route(body, svc.load_signals())
         return {"policy": "static", "route": decision.as_dict()}
-    plan = svc.router.plan(body, explore=False)  # no exploration draw, no budget spent
+    plan = svc.router.plan(body, svc.load_signals(), explore=False)  # no exploration draw, no budget spent
     return plan.explain()
 
 
