@@ -4,12 +4,19 @@ No threads and no I/O of its own. The caller (the gateway's engine thread, the C
 adds requests and calls `step()` in a loop. Each step runs one target forward pass over every
 scheduled sequence: prefill chunks, plain decodes, and decodes that verify k drafted tokens
 (a different k per sequence, chosen by its controller) all share the batch.
+
+One request's failure is its own: an exception while drafting, processing logits, sampling,
+verifying or checking stops for one sequence (or logits with no finite value in its rows) ends that
+request with finish_reason "error" and the rest of the batch goes on. A failed forward pass fails
+the sequences in it; `consecutive_forward_failures` tells a supervisor when the engine itself is
+broken.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -34,6 +41,8 @@ from engine.spec.cost_model import CostModel
 from engine.spec.params import SpecParams
 from engine.spec.proposer import Proposal, ProposalRequest, Proposer, ProposerContext, proposer_factory
 from engine.spec.rejection_sampler import verify_greedy, verify_sampled
+
+logger = logging.getLogger("specgate.engine")
 
 
 @dataclass(slots=True)
@@ -63,6 +72,7 @@ class Engine:
         self._aborted: list[Sequence] = []
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
+        self.consecutive_forward_failures = 0  # reset by every forward pass that succeeds
         self._proposers: dict[str, Proposer] = {}
         for method in config.proposer_options:
             self.proposer(method)
@@ -101,7 +111,10 @@ class Engine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         spec: SpecParams | None = None,
+        cache_scope: str | None = "",
     ) -> None:
+        """`cache_scope`: requests share a proposer's cross-request state (the suffix cache) only
+        within one scope; None shares nothing."""
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt = [int(t) for t in prompt_token_ids]
@@ -109,6 +122,9 @@ class Engine:
             raise RequestError("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= self.runner.vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
@@ -126,7 +142,10 @@ class Engine:
             if params.seed is not None
             else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         )
-        generator.manual_seed(seed)
+        try:
+            generator.manual_seed(seed % 2**64)  # negative seeds as their 64-bit two's complement
+        except (RuntimeError, OverflowError) as exc:
+            raise RequestError(f"invalid seed {seed}: {exc}") from None
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -146,7 +165,11 @@ class Engine:
             spec=SpecState(spec) if proposer is not None and spec is not None else None,
         )
         if proposer is not None:
-            proposer.start(request_id, prompt)
+            try:
+                proposer.start(request_id, prompt, cache_scope)
+            except Exception:
+                self._quietly(proposer.finish, request_id, prompt)
+                raise
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -183,21 +206,39 @@ class Engine:
         if not batch:
             return outputs
         now = time.monotonic()
-        samples = [s.samples for s in batch]  # decided before the step advances any sequence
         drafts = self._propose(batch)
+        batch, drafts = self._drop_failed(batch, drafts, outputs)
+        if not batch:
+            return outputs
+        samples = [s.samples for s in batch]  # decided before the step advances any sequence
         items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
         feeds = [self._feature_proposer(s.seq) for s in batch]
         t0 = time.perf_counter()
-        logits, hidden = self.runner.execute_with_hidden(items, any(feeds))  # [sum of num_logits, vocab]
+        try:
+            logits, hidden = self.runner.execute_with_hidden(items, any(feeds))  # [sum of num_logits, vocab]
+        except Exception as exc:
+            # Nothing of this pass can be trusted: its sequences fail, the waiting ones go on.
+            self.consecutive_forward_failures += 1
+            logger.exception("forward pass over %d sequences failed", len(batch))
+            for s in batch:
+                self._fail(s.seq, f"the forward pass failed ({type(exc).__name__})")
+            outputs.extend(self._output(s.seq) for s in batch)
+            return outputs
+        self.consecutive_forward_failures = 0
         if hidden is not None:
             for s, it, feed, h, sampled in zip(batch, items, feeds, hidden, samples, strict=True):
                 if feed is not None and not sampled:  # a prefill chunk: every position is the prompt's
-                    feed.observe_hidden(s.seq.request_id, it.start, h)
+                    self._guard(
+                        s.seq, "reading target features", feed.observe_hidden, s.seq.request_id, it.start, h
+                    )
         rows: list[SamplingRow] = []
-        for s, d, sampled in zip(batch, drafts, samples, strict=True):
+        blocks: list[tuple[int, slice]] = []  # per emitting sequence: its rows
+        for i, (s, d, sampled) in enumerate(zip(batch, drafts, samples, strict=True)):
             if sampled:
+                first = len(rows)
                 rows.extend(self._sampling_row(s.seq, d.token_ids[:j]) for j in range(len(d.token_ids) + 1))
-        processed = process_logits(logits, rows) if rows else logits
+                blocks.append((i, slice(first, len(rows))))
+        processed, usable = self._process(batch, logits, rows, blocks)
         for s in batch:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
@@ -209,16 +250,19 @@ class Engine:
         done = time.monotonic()
         num_tokens = sum(len(it.token_ids) for it in items)
         step = (num_tokens, (time.perf_counter() - t0) * 1e3)  # batch tokens, forward ms: for telemetry
-        r = 0
-        for i, (s, d, sampled) in enumerate(zip(batch, drafts, samples, strict=True)):
-            if sampled:
-                block = slice(r, r + len(d.token_ids) + 1)
-                r = block.stop
-                handoff = None
-                proposer = feeds[i]
-                if hidden is not None and proposer is not None:
-                    handoff = (proposer, items[i].start, hidden[i])
-                self._emit(s.seq, d, logits[block], processed[block], rows[block], done, step, handoff)
+        for i, block in blocks:
+            seq = batch[i].seq
+            if seq.is_finished:
+                continue  # failed while its logits were processed
+            if not all(usable[block]):
+                self._fail(seq, "the model produced no finite logits for this request")
+                continue
+            handoff = None
+            proposer = feeds[i]
+            if hidden is not None and proposer is not None:
+                handoff = (proposer, items[i].start, hidden[i])
+            args = (drafts[i], logits[block], processed[block], rows[block], done, step, handoff)
+            self._guard(seq, "sampling", self._emit, seq, *args)
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
         context = _mean_context((it.start, len(it.token_ids)) for it in items)
         self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
@@ -227,6 +271,68 @@ class Engine:
             if seq.pending_token_ids or seq.is_finished:
                 outputs.append(self._output(seq))
         return outputs
+
+    # ---- fault isolation ---------------------------------------------------------------------
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End one request with an error; its blocks are freed and the rest of the batch goes on."""
+        if seq.is_finished:
+            return
+        seq.error = message
+        self._finish(seq, "error", None)
+
+    def _guard(self, seq: Sequence, what: str, fn: Callable[..., object], *args: object) -> None:
+        """Run one request's part of the step; an exception fails that request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            logger.exception("request %s failed while %s", seq.request_id, what)
+            self._fail(seq, f"the engine failed while {what} ({type(exc).__name__})")
+
+    @staticmethod
+    def _quietly(fn: Callable[..., object], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("proposer cleanup failed")
+
+    def _drop_failed(
+        self, batch: list[ScheduledSequence], drafts: list[Proposal], outputs: list[RequestOutput]
+    ) -> tuple[list[ScheduledSequence], list[Proposal]]:
+        """Sequences that failed while drafting leave the batch before the forward pass."""
+        if all(not s.seq.is_finished for s in batch):
+            return batch, drafts
+        outputs.extend(self._output(s.seq) for s in batch if s.seq.is_finished)
+        keep = [i for i, s in enumerate(batch) if not s.seq.is_finished]
+        return [batch[i] for i in keep], [drafts[i] for i in keep]
+
+    def _process(
+        self,
+        batch: list[ScheduledSequence],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        rows: list[SamplingRow],
+        blocks: list[tuple[int, slice]],
+    ) -> tuple[torch.Tensor, list[bool]]:
+        """Processed logits [num_rows, vocab] and, per row, whether it has a finite value to sample.
+
+        One batched call; if it raises, each sequence's rows are processed on their own so that the
+        request whose rows are at fault fails alone."""
+        if not rows:
+            return logits, []
+        try:
+            processed = process_logits(logits, rows)
+        except Exception:
+            processed = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+            for i, block in blocks:
+                seq = batch[i].seq
+                try:
+                    processed[block] = process_logits(logits[block], rows[block])
+                except Exception as exc:
+                    logger.exception("request %s failed while its logits were processed", seq.request_id)
+                    self._fail(seq, f"the engine failed while processing logits ({type(exc).__name__})")
+        # A row is usable if some token has a finite logit and none is NaN.
+        usable = (processed.isfinite().any(dim=-1) & ~processed.isnan().any(dim=-1)).tolist()  # [num_rows]
+        return processed, usable
 
     # ---- speculation -------------------------------------------------------------------------
 
@@ -271,13 +377,19 @@ class Engine:
                     seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, self._sampling_row(seq, [])
                 )
                 by_method.setdefault(c.method, []).append((i, req))
+        vocab = self.runner.vocab_size
         for method, reqs in by_method.items():
             proposer = self.proposer(method)
             t0 = time.perf_counter()
-            proposals: list[Proposal] = proposer.propose([r for _, r in reqs])
+            proposals = self._drafts(proposer, method, batch, reqs)
             for (i, req), prop in zip(reqs, proposals, strict=True):
                 seq = batch[i].seq
                 tokens = prop.token_ids[: req.k]
+                if tokens and not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+                    logger.warning("proposer %s drafted tokens outside the vocabulary; dropped", method)
+                    tokens = []
+                if seq.is_finished:
+                    continue
                 if tokens and self.block_manager.can_allocate(seq, seq.num_tokens + len(tokens)):
                     self.block_manager.allocate(seq, seq.num_tokens + len(tokens))
                     probs = prop.probs[: len(tokens)] if prop.probs is not None else None
@@ -285,6 +397,31 @@ class Engine:
             steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
             self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
         return drafts
+
+    def _drafts(
+        self,
+        proposer: Proposer,
+        method: str,
+        batch: list[ScheduledSequence],
+        reqs: list[tuple[int, ProposalRequest]],
+    ) -> list[Proposal]:
+        """One batched draft call; if it fails, each request is drafted alone and only the requests
+        whose drafting fails are failed."""
+        try:
+            proposals = proposer.propose([r for _, r in reqs])
+            if len(proposals) == len(reqs):
+                return proposals
+            raise RuntimeError(f"{len(proposals)} proposals for {len(reqs)} requests")
+        except Exception:
+            logger.exception("batched drafting with %s failed; drafting each request alone", method)
+        out: list[Proposal] = []
+        for i, req in reqs:
+            try:
+                out.append(proposer.propose([req])[0])
+            except Exception as exc:
+                self._fail(batch[i].seq, f"drafting with {method} failed ({type(exc).__name__})")
+                out.append(Proposal([]))
+        return out
 
     def _emit(
         self,
@@ -384,13 +521,21 @@ class Engine:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         if seq.stats.spec is not None:
-            self.proposer(seq.stats.spec.method).finish(seq.request_id, seq.token_ids)
+            self._quietly(self.proposer(seq.stats.spec.method).finish, seq.request_id, seq.token_ids)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SequenceStatus.FINISHED
         if finished and seq.stats.finished_time is None:
             seq.stats.finished_time = time.monotonic()
-        text = seq.detokenizer.take(finished) if seq.detokenizer is not None else ""
+        try:
+            text = seq.detokenizer.take(finished) if seq.detokenizer is not None else ""
+        except Exception as exc:
+            logger.exception("request %s failed while its text was decoded", seq.request_id)
+            text = ""
+            if not finished:
+                self._fail(seq, f"the engine failed while decoding text ({type(exc).__name__})")
+                finished = True
+                seq.stats.finished_time = time.monotonic()
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.pending_token_ids,
@@ -400,6 +545,7 @@ class Engine:
             stats=seq.stats.snapshot(),  # the caller may read it on another thread
             stop_reason=seq.stop_reason,
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            error=seq.error,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         return out

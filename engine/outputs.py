@@ -106,8 +106,10 @@ class RequestOutput:
     # Text that became final this step; text that may still turn into a stop string is held back.
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stats: RequestStats
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # Why the engine failed this request (finish_reason "error"); the rest of its batch went on.
+    error: str | None = None

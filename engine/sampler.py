@@ -57,6 +57,9 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # Rows at top_p = 1 skip this: in float32 the cumulative sum reaches 1.0 before the tail.
     covered = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
     drop |= covered & (top_p < 1.0).unsqueeze(1)
+    # The best token always stays: a top_p below float32's smallest value (5e-324 rounds to 0)
+    # would otherwise mask every token of the row.
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -36,6 +36,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # set when the engine failed this request alone
     # Buffers filled between two `step()` results.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

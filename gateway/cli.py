@@ -166,6 +166,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from bench.soak import run
+
+    return run(args)
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from gateway.telemetry import schema
 
@@ -224,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
+    soak = bench.add_parser("soak", help="sustained hostile load with failures; reports what was lost")
+    from bench.soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(soak)
+    soak.set_defaults(func=cmd_bench_soak)
 
     db = sub.add_parser("db", help="telemetry database schema (Alembic)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])

@@ -24,8 +24,10 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 async def api_key(request: Request, svc: ServicesDep) -> str | None:
-    """The caller's key id (for records and the rate limit), after checking the key if keys are set."""
-    keys = [k.get_secret_value() for k in svc.settings.api_keys]
+    """The caller's key id (for records), after checking the key if keys are set, then the rate limit:
+    per key when keys are set, per client address in open mode (where any bearer string is accepted,
+    so a client could otherwise mint itself a fresh limit with each request)."""
+    keys = svc.api_keys
     token = bearer_token(request)
     if keys:
         if token is None:
@@ -33,7 +35,11 @@ async def api_key(request: Request, svc: ServicesDep) -> str | None:
         if not check_key(token, keys):
             raise unauthorized()
     ident = key_id(token) if token else None
-    svc.limiter.check(ident or (request.client.host if request.client else "anonymous"))
+    record = getattr(request.state, "record", None)
+    if record is not None:
+        record.api_key_id = ident
+    addr = getattr(request.state, "client_addr", None) or "unknown"
+    svc.limiter.check(ident if keys and ident else f"addr:{addr}")
     return ident
 
 

@@ -1,8 +1,13 @@
-"""Prometheus metrics, one registry per app (no process-wide singletons, so apps in tests are independent)."""
+"""Prometheus metrics, one registry per app (no process-wide singletons, so apps in tests are independent).
+
+Label values come only from bounded sets: configured backends, the models they serve (anything else
+a client names is `unknown`), endpoints, statuses, classes and arms. Nothing a client sends
+unauthenticated can mint a new series or put a string Prometheus cannot encode into the output.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,8 +21,15 @@ _TPOT = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
 _OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 
+UNKNOWN = "unknown"
+MAX_MODEL_LABELS = 512  # served models beyond this many share the label "other"
+
+
 class Metrics:
     def __init__(self) -> None:
+        # The models backends serve now (set by Services); label values for `model`.
+        self.models: Callable[[], Mapping[str, Any]] = dict
+        self._model_labels: set[str] = set()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "specgate_requests",
@@ -74,6 +86,9 @@ class Metrics:
         )
         self.batch_size = Gauge("specgate_engine_batch_size", "Requests running in the engine", registry=r)
         self.kv_usage = Gauge("specgate_engine_kv_usage", "Fraction of KV-cache blocks in use", registry=r)
+        self.kv_blocks = Gauge(
+            "specgate_engine_kv_blocks_used", "KV-cache blocks held by requests (0 when idle)", registry=r
+        )
         self.in_flight = Gauge("specgate_in_flight_requests", "Requests being served now", registry=r)
         self.backend_up = Gauge(
             "specgate_backend_up", "1 if the backend takes traffic", ["backend"], registry=r
@@ -91,9 +106,20 @@ class Metrics:
             "specgate_failovers", "Requests served by a later candidate backend", ["model"], registry=r
         )
 
+    def model_label(self, model: str) -> str:
+        if model in self._model_labels:
+            return model
+        if model not in self.models():
+            return UNKNOWN
+        if len(self._model_labels) >= MAX_MODEL_LABELS:
+            return "other"
+        self._model_labels.add(model)
+        return model
+
     def observe(self, rec: RequestRecord) -> None:
         backend = rec.backend or "none"
-        self.requests.labels(rec.endpoint, rec.model, backend, str(rec.status), rec.outcome).inc()
+        model = self.model_label(rec.model)
+        self.requests.labels(rec.endpoint, model, backend, str(rec.status), rec.outcome).inc()
         if rec.overhead_ms is not None:
             self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
         if rec.workload_class is not None and rec.route.get("arm"):
@@ -105,23 +131,24 @@ class Metrics:
             return
         for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):
             if value is not None:
-                hist.labels(rec.model, backend).observe(value / 1e3)
+                hist.labels(model, backend).observe(value / 1e3)
         if rec.prompt_tokens:
-            self.tokens.labels(rec.model, "prompt").inc(rec.prompt_tokens)
+            self.tokens.labels(model, "prompt").inc(rec.prompt_tokens)
         if rec.completion_tokens:
-            self.tokens.labels(rec.model, "completion").inc(rec.completion_tokens)
+            self.tokens.labels(model, "completion").inc(rec.completion_tokens)
         spec = rec.spec or {}
         method = spec.get("method")
         if method:
-            self.draft_tokens.labels(rec.model, method).inc(spec.get("num_draft_tokens") or 0)
-            self.accepted_tokens.labels(rec.model, method).inc(spec.get("num_accepted_tokens") or 0)
+            self.draft_tokens.labels(model, method).inc(spec.get("num_draft_tokens") or 0)
+            self.accepted_tokens.labels(model, method).inc(spec.get("num_accepted_tokens") or 0)
             if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
-                self.acceptance_length.labels(rec.model, method).observe(spec["mean_acceptance_length"])
+                self.acceptance_length.labels(model, method).observe(spec["mean_acceptance_length"])
 
-    def refresh_engine(self, waiting: int, running: int, kv_usage: float) -> None:
+    def refresh_engine(self, waiting: int, running: int, kv_usage: float, kv_blocks: int = 0) -> None:
         self.queue_depth.set(waiting)
         self.batch_size.set(running)
         self.kv_usage.set(kv_usage)
+        self.kv_blocks.set(kv_blocks)
 
     def refresh_backends(self, status: dict[str, dict[str, Any]]) -> None:
         for name, st in status.items():
@@ -152,8 +179,14 @@ class _WriterCollector(Collector):
             ("replayed", c.replayed, "Spooled rows replayed into the database"),
             ("dropped", c.dropped, "Rows lost (the spool's disk failed); must stay 0"),
             ("db_errors", c.db_errors, "Failed database writes"),
+            ("quarantined", c.quarantined, "Rows the database refused (kept in telemetry_quarantine)"),
         ):
             yield CounterMetricFamily(f"specgate_telemetry_rows_{name}", doc, value=value)
         yield GaugeMetricFamily(
             "specgate_telemetry_queue_depth", "Rows waiting for the writer", value=self.queue_size()
+        )
+        yield GaugeMetricFamily(
+            "specgate_telemetry_spool_backlog",
+            "Rows in this process's spool, not yet in the database",
+            value=c.spool_backlog,
         )

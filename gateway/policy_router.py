@@ -13,7 +13,7 @@ from typing import Any
 from gateway.policy_manager import PolicyManager
 from gateway.registry import BackendRegistry
 from gateway.request_info import request_info
-from gateway.routing import RouteDecision, candidate_backends, requested_spec
+from gateway.routing import RouteDecision, allowed_methods, candidate_backends, requested_spec
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings, SpecSettings
 from policies.arms import OFF, UPSTREAM, Arm
@@ -59,6 +59,7 @@ class PolicyRouter:
         self.registry = registry
         self.classifier = classifier
         self.manager = manager
+        self.allowed = allowed_methods(settings)
 
     def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
         return self.plan(request, load).route
@@ -103,7 +104,7 @@ class PolicyRouter:
             # On top of the policy's choice, or of the configured default where the policy chose off
             # (its zero K bounds would silently cancel a request that asks for a method).
             base = spec if spec is not None and spec.method != OFF else self.settings.embedded.spec
-            spec = requested_spec(base, request)
+            spec = requested_spec(base, request, self.allowed)
             policy, reason = "request", reason + "; speculation set by the request"
         route = RouteDecision(
             model=request.model,

@@ -6,6 +6,7 @@ store persists them. Submitting never blocks the request path.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ class RequestRecord:
     received_at: float  # unix seconds
     stream: bool
     api_key_id: str | None = None  # a hash prefix of the key, never the key
+    # The client's own x-request-id, kept as sent (it may repeat); `request_id` is the gateway's.
+    client_request_id: str | None = None
     backend: str | None = None
     route: dict[str, Any] = field(default_factory=dict)
     status: int = 0  # HTTP status sent (200 for streams that started, even if they failed later)
@@ -70,6 +73,27 @@ class RequestRecord:
         self.finished_at = time.time()
 
 
+def settle(rec: RequestRecord, status: int | None, escaped: BaseException | None) -> None:
+    """Complete `rec` from what the client actually got: `status` as sent (None: no response
+    started) and the exception that escaped the app, if any. Outcomes already decided along the way
+    (a stream that failed or was abandoned after its 200) stand."""
+    if status is not None:
+        rec.status = status
+    elif escaped is None or isinstance(escaped, asyncio.CancelledError):
+        rec.status = rec.status or 499  # the client left before any answer
+    else:
+        rec.status = 500
+    if rec.outcome == "ok":
+        if rec.status == 499:
+            rec.outcome = "cancelled"
+        elif rec.status >= 400:
+            rec.outcome = "error"
+    if rec.outcome == "error" and rec.error_code is None and rec.status >= 500:
+        rec.error_code = "internal_error"
+    if rec.finished_at is None:
+        rec.finish()
+
+
 class RecordSink(Protocol):
     def submit(self, record: RequestRecord) -> None: ...
 
@@ -84,7 +108,8 @@ class MemorySink:
         self.records.append(record)
 
     def find(self, request_id: str) -> RequestRecord | None:
+        """The newest record with this gateway id, or else with this client x-request-id."""
         for r in reversed(self.records):
-            if r.request_id == request_id:
+            if request_id in (r.request_id, r.client_request_id):
                 return r
         return None

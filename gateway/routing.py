@@ -59,6 +59,7 @@ class StaticRouter:
     def __init__(self, settings: Settings, registry: BackendRegistry) -> None:
         self.settings = settings
         self.registry = registry
+        self.allowed = allowed_methods(settings)
 
     def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
         names, reason = candidate_backends(self.settings, self.registry, request.model)
@@ -69,7 +70,7 @@ class StaticRouter:
             else self.settings.embedded.spec
         )
         if request.spec is not None:
-            spec = requested_spec(spec, request)
+            spec = requested_spec(spec, request, self.allowed)
             reason += "; speculation set by the request"
         return RouteDecision(model=request.model, backends=names, spec=spec, reason=reason)
 
@@ -91,9 +92,28 @@ def candidate_backends(settings: Settings, registry: BackendRegistry, model: str
     return names, reason
 
 
-def requested_spec(base: SpecSettings, request: ChatCompletionRequest | CompletionRequest) -> SpecSettings:
-    """`base` with the request's own `spec` extension applied; 400 if the result is invalid."""
+def allowed_methods(settings: Settings) -> frozenset[str]:
+    """Speculation methods a request may ask for: those the operator's policy may choose, and those
+    the operator configured for the engine or a route. Anything else is refused, never run."""
+    methods = {"off", *settings.policy.methods, settings.embedded.spec.method}
+    methods.update(r.spec.method for r in settings.routes.values() if r.spec is not None)
+    return frozenset(methods)
+
+
+def requested_spec(
+    base: SpecSettings, request: ChatCompletionRequest | CompletionRequest, allowed: frozenset[str]
+) -> SpecSettings:
+    """`base` with the request's own `spec` extension applied; 400 if the result is invalid or asks
+    for a method the operator does not allow."""
     assert request.spec is not None
+    method = request.spec.method
+    if method is not None and method not in allowed:
+        raise APIError(
+            400,
+            f"speculation method {method!r} is not allowed here; allowed: {', '.join(sorted(allowed))}",
+            param="spec.method",
+            code="invalid_spec_method",
+        )
     overrides = request.spec.model_dump(exclude_none=True)
     try:
         return SpecSettings(**{**base.model_dump(), **overrides})

@@ -3,54 +3,86 @@
 Unknown fields survive (`extra="allow"`) so that vendor extensions reach external backends untouched.
 Beyond OpenAI's fields, the vLLM sampling extensions (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, include_stop_str_in_output) and specgate's own `spec` are understood.
+
+Every field is bounded: numbers are finite and in range (a temperature of 1e-300 or a seed of 2**64
+is refused or made harmless here, never inside the engine's batch), strings and lists have a length
+limit, so no single request can make a later stage fail for everyone.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Limits shared with the engine-facing checks (embedded_prompt) and the tests.
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64; the engine folds it into 64 bits
+MAX_NAME = 256  # model names, user ids, tool call ids, message names
+MAX_STOPS = 4
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_TOOL_NAME = 64
+MAX_PROMPTS = 128
+MAX_LOGPROBS = 20
+MAX_SPEC_K = 64
+
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A tool name as OpenAI defines it: letters, digits, underscores and dashes (dots too), at most 64.
+_TOOL_NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_TOOL_NAME}}}$")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Edge(BaseModel):
+    # Python's JSON parser reads NaN / Infinity; a request never may.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Edge):
     include_usage: bool = False
 
 
 class SpecRequest(BaseModel):
     """specgate extension: ask for (or forbid) speculation on this request; the router has the last word."""
 
-    model_config = ConfigDict(extra="forbid")
-    method: str | None = None  # "off" disables speculation
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # "off" disables speculation; other names must be methods the operator allows (policy.methods).
+    method: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     controller: Literal["goodput", "static", "heuristic"] | None = None
-    k_min: int | None = Field(None, ge=0, le=64)
-    k_max: int | None = Field(None, ge=0, le=64)
-    num_speculative_tokens: int | None = Field(None, ge=0, le=64)
+    k_min: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+    k_max: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SpecRequest:
+        if self.k_min is not None and self.k_max is not None and self.k_min > self.k_max:
+            raise ValueError("k_min must be <= k_max")
+        return self
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1)
+class _Sampling(_Edge):
+    model: str = Field(min_length=1, max_length=MAX_NAME)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM sampling extensions.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     spec: SpecRequest | None = None
 
@@ -58,10 +90,12 @@ class _Sampling(BaseModel):
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_CHARS} characters long")
         return value
 
     @property
@@ -73,13 +107,18 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+Content = str | list[dict[str, Any]]
+
+
+class ChatMessage(_Edge):
+    """Any chat message; the request validates each one as the message type of its role (below),
+    so the published schema says exactly which fields each role needs."""
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    content: Content | None = None
+    name: Name | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Name | None = None
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
@@ -99,32 +138,74 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(
-                    f"content parts of type {part.get('type')!r} are not supported by this model"
+                    f"content parts of type {str(part.get('type'))[:64]!r} are not supported by this model"
                 )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
 
+class InstructionMessage(ChatMessage):
+    role: Literal["system", "developer", "user", "function"]
+    content: Content
+
+
+class AssistantMessage(ChatMessage):
+    # Content, tool calls, or both.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}},
+            ]
+        }
+    )
+    role: Literal["assistant"]
+
+
+class ToolMessage(ChatMessage):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1, max_length=MAX_NAME)
+
+
+Message = Annotated[InstructionMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+MESSAGE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        # Checked here, kept as sent (vendor fields inside a tool reach external backends).
+        for tool in value or []:
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict):
+                raise ValueError("each tool must be {'type': 'function', 'function': {...}}")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+                raise ValueError(
+                    f"each tool function needs a name of 1-{MAX_TOOL_NAME} letters, digits, '_', '.' or '-'"
+                )
+            if not isinstance(fn.get("description"), str | None):
+                raise ValueError("a tool function's description must be a string")
+            if not isinstance(fn.get("parameters"), dict | None):
+                raise ValueError("a tool function's parameters must be a JSON schema object")
+        return value
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        for tool in self.tools or []:
-            if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-                raise ValueError("each tool must be {'type': 'function', 'function': {...}}")
-            if not tool["function"].get("name"):
-                raise ValueError("each tool function needs a name")
         return self
 
     @property
@@ -133,12 +214,19 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
+    )
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=128)
 
     @field_validator("prompt")
     @classmethod

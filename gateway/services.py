@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx2
 
-from gateway.auth import RateLimiter
+from gateway.auth import RateLimiter, RefusalBudget
 from gateway.metrics import Metrics
 from gateway.policy_manager import PolicyManager
 from gateway.policy_router import PolicyRouter
-from gateway.records import MemorySink, RecordSink, RequestRecord
+from gateway.records import MemorySink, RecordSink, RequestRecord, settle
 from gateway.registry import BackendRegistry
 from gateway.routing import Router, StaticRouter
 from gateway.settings import Settings
@@ -27,7 +27,6 @@ from policies.load import BackendLoad, LoadSignals
 
 logger = logging.getLogger("specgate.gateway")
 
-INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ReadinessCheck = Callable[[], Awaitable[tuple[bool, str]]]
 
 
@@ -41,11 +40,13 @@ class Services:
     recent: MemorySink  # the latest records, in memory
     store: TelemetryStore | None  # durable rows (SQLite / PostgreSQL)
     limiter: RateLimiter
+    refusals: RefusalBudget  # 401 / 413 answers per client address
     policy: PolicyManager | None = None  # None: the static router
     extra_sinks: list[RecordSink] = field(default_factory=list)
     # Extra readiness checks by name (the telemetry store adds "store").
     readiness: dict[str, ReadinessCheck] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    api_keys: list[str] = field(default_factory=list)  # the accepted /v1 keys, read once
 
     @classmethod
     def build(cls, settings: Settings, cache_dir: str | None, sink: RecordSink | None = None) -> Services:
@@ -70,27 +71,39 @@ class Services:
             recent=MemorySink(),
             store=store,
             limiter=RateLimiter(settings.rate_limit_rpm),
+            refusals=RefusalBudget(RateLimiter(settings.refused_rpm)),
             policy=policy,
             extra_sinks=[sink] if sink is not None else [],
+            api_keys=[k.get_secret_value() for k in settings.api_keys],
         )
+        services.metrics.models = registry.models
         if store is not None:
             services.readiness["store"] = store.ready
             services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
         return services
 
-    def record_rejection(
-        self, request_id: str, path: str, model: str | None, received_at: float, status: int, code: str | None
-    ) -> None:
-        """A request refused before it was routed (bad JSON, invalid parameters, bad key, rate limit,
-        body too large) still leaves its one record."""
-        endpoint = INFERENCE_PATHS.get(path)
-        if endpoint is None:
-            return
-        rec = RequestRecord(request_id, endpoint, model or "unknown", received_at, stream=False)
-        rec.status, rec.outcome, rec.error_code = status, "error", code
-        rec.finish()
-        self.metrics.observe(rec)
-        self.submit(rec)
+    def complete(self, record: RequestRecord, status: int | None, escaped: BaseException | None) -> None:
+        """The request is over (the middleware calls this once, whatever happened): settle its
+        record from the status sent, count it, and hand it to the sinks."""
+        try:
+            settle(record, status, escaped)
+            self.metrics.observe(record)
+        except Exception:  # a metrics bug must not cost the row
+            logger.exception("counting request %s failed", record.request_id)
+        self.submit(record)
+        if self.settings.log_requests:
+            logger.info(
+                "%s %s model=%r backend=%s status=%s outcome=%s tokens=%s/%s e2e_ms=%.1f",
+                record.request_id,
+                record.endpoint,
+                record.model[:64],
+                record.backend,
+                record.status,
+                record.outcome,
+                record.prompt_tokens,
+                record.completion_tokens,
+                record.e2e_ms or 0.0,
+            )
 
     def submit(self, record: RequestRecord) -> None:
         """Hand a finished request's record to every sink; a failing sink never fails the request."""
@@ -125,7 +138,20 @@ class Services:
         embedded = self.registry.embedded
         if embedded is not None and embedded.worker is not None:
             w = embedded.worker
-            self.metrics.refresh_engine(w.num_waiting, w.load.num_running, w.load.kv_usage)
+            self.metrics.refresh_engine(
+                w.num_waiting, w.load.num_running, w.load.kv_usage, w.load.kv_blocks_used
+            )
+
+    def cache_scope(self, key_id: str | None, addr: str) -> str | None:
+        """The drafting-cache scope of a request from this key / address (settings.embedded)."""
+        mode = self.settings.embedded.draft_cache_scope
+        if mode == "off":
+            return None
+        if mode == "global":
+            return ""
+        if mode == "tenant" and self.api_keys and key_id:
+            return key_id
+        return f"addr:{addr}"
 
     def load_signals(self) -> LoadSignals:
         """What the routing policy reads of the current load."""

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway import dispatch
 from gateway.backends.base import Backend, BackendCall, BackendError, Kind, Observation
 from gateway.disconnect import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
 from gateway.errors import APIError
 from gateway.records import RequestRecord
+from gateway.responses import SafeJSONResponse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.services import Services
 
@@ -34,18 +35,9 @@ async def handle(
     key_id: str | None,
 ) -> Response:
     state = request.state
-    state.recorded = True  # from here on, this function leaves the request's record
+    rec: RequestRecord = state.record  # created by the middleware, which also submits it
     load = svc.load_signals()  # one snapshot: what the record keeps is what the policy saw
-    rec = RequestRecord(
-        state.request_id,
-        kind,
-        parsed.model,
-        state.received_at,
-        bool(parsed.stream),
-        api_key_id=key_id,
-        load=svc.load_snapshot(load),
-    )
-    svc.metrics.in_flight.inc()
+    rec.model, rec.stream, rec.load = parsed.model, bool(parsed.stream), svc.load_snapshot(load)
     streaming = False
     call: BackendCall | None = None
     try:
@@ -63,6 +55,7 @@ async def handle(
             created=int(time.time()),
             spec=decision.spec,
             route=rec.route,
+            cache_scope=svc.cache_scope(key_id, state.client_addr),
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
         rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
@@ -75,27 +68,15 @@ async def handle(
         if _note_backend(svc, rec, call, backend, decision.backends):
             # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
             body["metrics"] = _external_metrics(call, body.get("metrics"))
-        rec.status = 200
-        return JSONResponse(body)
+        return SafeJSONResponse(body)
     except ClientDisconnected:
-        rec.status, rec.outcome = 499, "cancelled"
+        rec.outcome = "cancelled"
         return Response(status_code=499)
     except BackendError as err:
-        error = dispatch.to_api_error(err, svc.settings.retry_after_seconds)
-        rec.status, rec.outcome, rec.error_code = error.status, "error", error.code
-        raise error from None
-    except APIError as error:
-        rec.status, rec.outcome, rec.error_code = error.status, "error", error.code
-        raise
-    except asyncio.CancelledError:
-        rec.status, rec.outcome = 499, "cancelled"
-        raise
-    except Exception:
-        rec.status, rec.outcome, rec.error_code = 500, "error", "internal_error"
-        raise
+        raise dispatch.to_api_error(err, svc.settings.retry_after_seconds) from None
     finally:
         if not streaming:
-            _close(svc, rec, call)
+            _close(rec, call)
 
 
 async def _events(
@@ -106,7 +87,6 @@ async def _events(
     rest: AsyncIterator[dict[str, Any]],
     external: bool,
 ) -> AsyncIterator[bytes]:
-    rec.status = 200
     try:
         chunk: dict[str, Any] | None = first
         while chunk is not None:
@@ -133,7 +113,7 @@ async def _events(
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:
             await aclose()
-        _close(svc, rec, call)
+        _close(rec, call)
 
 
 def _note_backend(
@@ -173,25 +153,10 @@ def _observe(rec: RequestRecord, obs: Observation) -> None:
     rec.spec_steps = obs.spec_steps
 
 
-def _close(svc: Services, rec: RequestRecord, call: BackendCall | None) -> None:
+def _close(rec: RequestRecord, call: BackendCall | None) -> None:
+    """What the backend observed goes into the record; the middleware settles and submits it."""
     if call is not None:
         _observe(rec, call.observed)
         if call.observed.backend and rec.backend is None:
             rec.backend = call.observed.backend
     rec.finish()
-    svc.metrics.in_flight.dec()
-    svc.metrics.observe(rec)
-    svc.submit(rec)
-    if svc.settings.log_requests:
-        logger.info(
-            "%s %s model=%s backend=%s status=%s outcome=%s tokens=%s/%s e2e_ms=%.1f",
-            rec.request_id,
-            rec.endpoint,
-            rec.model,
-            rec.backend,
-            rec.status,
-            rec.outcome,
-            rec.prompt_tokens,
-            rec.completion_tokens,
-            rec.e2e_ms or 0.0,
-        )

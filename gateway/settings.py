@@ -58,6 +58,10 @@ class EmbeddedSettings(BaseModel):
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
     spec: SpecSettings = Field(default_factory=lambda: SpecSettings(method="ngram"))
+    # Who shares the suffix proposer's cache of earlier outputs (a draft taken from another tenant's
+    # output would leak it through acceptance and timing): "tenant" = per API key, or per client
+    # address in open mode; "address" = per client address; "global" = everyone; "off" = nobody.
+    draft_cache_scope: Literal["tenant", "address", "global", "off"] = "tenant"
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -82,6 +86,8 @@ class BackendSettings(BaseModel):
     breaker_failures: int = Field(3, ge=1)  # consecutive failures that open the breaker
     breaker_cooldown: float = Field(10.0, gt=0)  # seconds open before a half-open probe
     health_interval: float = Field(5.0, ge=0)  # 0 disables background probes
+    max_response_bytes: int = Field(32 * 2**20, ge=1024)  # a bigger upstream body is a 502
+    max_event_bytes: int = Field(2**20, ge=1024)  # a bigger SSE line or event is a 502
 
     @field_validator("models", mode="before")
     @classmethod
@@ -116,7 +122,11 @@ class TelemetrySettings(BaseModel):
     )
     # None: upgrade the embedded default database automatically, never any other.
     auto_upgrade: bool | None = None
-    spool_path: str | None = None  # default: next to the embedded database, one file per URL
+    # Directory of spool files (one per process) for rows written while the database is down;
+    # default: next to the embedded database, one directory per URL.
+    spool_dir: str | None = None
+    connect_timeout: float = Field(5.0, gt=0)  # seconds; PostgreSQL
+    statement_timeout: float = Field(15.0, gt=0)  # seconds per statement; PostgreSQL
     batch_size: int = Field(256, ge=1)
     flush_interval: float = Field(0.2, gt=0)
     max_queue: int = Field(100_000, ge=1)
@@ -149,8 +159,13 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list)  # empty: /v1 is open
     admin_key: SecretStr | None = None  # None: /admin is closed
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
-    # Per-API-key request rate (requests per minute); 0 disables the limiter.
+    # Request rate per API key (per client address in open mode), requests per minute; 0: no limit.
     rate_limit_rpm: int = Field(0, ge=0)
+    # Refused requests (401 bad key, 413 body too large) per client address and minute; beyond
+    # it (bursts of a sixth) the address gets 429 for everything until its budget refills. 0: no limit.
+    refused_rpm: int = Field(300, ge=0)
+    # Proxies whose X-Forwarded-For is believed (addresses or CIDR networks); none: the peer address.
+    trusted_proxies: list[str] = Field(default_factory=list)
     retry_after_seconds: int = Field(1, ge=1)  # Retry-After sent with 503 when overloaded
     embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
@@ -170,6 +185,15 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment variables override the config file, which arrives as init arguments.
         return env_settings, init_settings
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for entry in value:
+            ipaddress.ip_network(entry.strip(), strict=False)  # ValueError names the bad entry
+        return value
 
     @model_validator(mode="after")
     def _unique_backends(self) -> Settings:

@@ -205,7 +205,7 @@ def _telemetry_check(db: Path, run_id: str, sent: int) -> dict[str, Any]:
         if db.exists():
             with sqlite3.connect(db) as conn:
                 rows = conn.execute(
-                    "SELECT COUNT(*) FROM requests WHERE request_id LIKE ?", (f"{run_id}-%",)
+                    "SELECT COUNT(*) FROM requests WHERE client_request_id LIKE ?", (f"{run_id}-%",)
                 ).fetchone()[0]
         if rows == sent:
             break

@@ -64,7 +64,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(self.runner.kv_cache.num_blocks, config.block_size)
         self._seqs: dict[str, _DraftSeq] = {}
 
-    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, request_id: str, token_ids: Sequence[int], scope: str | None = "") -> None:
         self._seqs[request_id] = _DraftSeq()
 
     def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:

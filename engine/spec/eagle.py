@@ -71,7 +71,7 @@ class EagleProposer:
         self.device = ctx.device
         self._states: dict[str, _State] = {}
 
-    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, request_id: str, token_ids: Sequence[int], scope: str | None = "") -> None:
         self._states[request_id] = _State()
 
     def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:

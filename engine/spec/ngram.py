@@ -41,7 +41,7 @@ class NgramProposer:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError("ngram proposer needs 1 <= min_n <= max_n")
 
-    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def start(self, request_id: str, token_ids: Sequence[int], scope: str | None = "") -> None:
         pass
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:

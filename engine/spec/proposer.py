@@ -53,8 +53,10 @@ class Proposer(Protocol):
     # them from the target pass and hands over those of verified positions via `observe_hidden`.
     needs_hidden: bool
 
-    def start(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """A request that will use this proposer was admitted with these prompt tokens."""
+    def start(self, request_id: str, token_ids: Sequence[int], scope: str | None = "") -> None:
+        """A request that will use this proposer was admitted with these prompt tokens. State kept
+        across requests (a suffix cache) is shared only among requests of the same `scope`; a
+        request with scope None neither reads nor feeds it."""
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         """Draft up to `k` tokens for each request (fewer, or none, is fine)."""

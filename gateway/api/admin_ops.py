@@ -6,10 +6,12 @@ import asyncio
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
+from gateway.body import parse_admin
 from gateway.deps import AdminDep, ServicesDep
 from gateway.errors import APIError
+from gateway.openapi import json_body
 from gateway.policy_router import PolicyRouter
 from gateway.schemas import ChatCompletionRequest
 from gateway.telemetry.stats import window_stats
@@ -17,8 +19,13 @@ from gateway.telemetry.stats import window_stats
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 
-@router.post("/route/explain", summary="Dry run: how a chat request would be classified and routed")
-async def explain(body: ChatCompletionRequest, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+@router.post(
+    "/route/explain",
+    summary="Dry run: how a chat request would be classified and routed",
+    openapi_extra=json_body(ChatCompletionRequest),
+)
+async def explain(request: Request, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+    body = await parse_admin(request, ChatCompletionRequest)
     if not isinstance(svc.router, PolicyRouter):
         decision = svc.router.route(body, svc.load_signals())
         return {"policy": "static", "route": decision.as_dict()}

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Path, Query, Request
 
+from gateway import body
 from gateway.admin_schemas import PolicyPatch, RetrainRequest
 from gateway.deps import AdminDep, ServicesDep
 from gateway.errors import APIError
+from gateway.openapi import json_body
 from gateway.policy_manager import PolicyManager
 from gateway.services import Services
 from policies.rules import RuleConfig
@@ -31,8 +33,15 @@ async def get_policy(svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
     return _manager(svc).describe()
 
 
-@router.put("", summary="Change rules (thresholds, per-class arms, K bounds, exploration): a new version")
-async def put_policy(patch: PolicyPatch, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+# Admin bodies are read after the admin key is checked (not by FastAPI before it), with the same
+# bounds as /v1's: size, depth, finite numbers, valid Unicode.
+@router.put(
+    "",
+    summary="Change rules (thresholds, per-class arms, K bounds, exploration): a new version",
+    openapi_extra=json_body(PolicyPatch),
+)
+async def put_policy(request: Request, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+    patch = await body.parse_admin(request, PolicyPatch)
     manager = _manager(svc)
     try:
         rules = manager.state.rules.merged(patch.changes())
@@ -53,11 +62,13 @@ def _unknown_methods(svc: Services, rules: RuleConfig) -> list[str]:
     return sorted(used - {"off", *svc.settings.policy.methods})
 
 
-@router.post("/retrain", summary="Fit a policy from telemetry, evaluate it offline, promote it if better")
-async def retrain(
-    svc: ServicesDep, _: AdminDep, body: Annotated[RetrainRequest | None, Body()] = None
-) -> dict[str, Any]:
-    req = body or RetrainRequest()
+@router.post(
+    "/retrain",
+    summary="Fit a policy from telemetry, evaluate it offline, promote it if better",
+    openapi_extra=json_body(RetrainRequest, required=False),
+)
+async def retrain(request: Request, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+    req = await body.parse_admin(request, RetrainRequest, optional=True)
     return await _manager(svc).retrain(force=req.force, window_hours=req.window_hours)
 
 
@@ -70,7 +81,9 @@ async def versions(
 
 
 @router.post("/rollback/{version}", summary="Make an earlier version's rules and model active again")
-async def rollback(version: int, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+async def rollback(
+    version: Annotated[int, Path(ge=1, le=2**31 - 1)], svc: ServicesDep, _: AdminDep
+) -> dict[str, Any]:
     manager = _manager(svc)
     row = await manager.rollback(version)
     return {"version": row, "policy": manager.describe()}

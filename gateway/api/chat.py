@@ -5,15 +5,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway import body
 from gateway.deps import ApiKeyDep, ServicesDep
+from gateway.openapi import json_body
 from gateway.schemas import ChatCompletionRequest
 from gateway.serving import handle
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, svc: ServicesDep, key: ApiKeyDep
-) -> Response:
-    return await handle(svc, request, body, "chat", key)
+# The body is read after the key check (the dependencies), not by FastAPI before it: an
+# unauthenticated client never gets a 4 MiB JSON document parsed.
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body(ChatCompletionRequest))
+async def chat_completions(request: Request, svc: ServicesDep, key: ApiKeyDep) -> Response:
+    parsed = await body.parse(request, ChatCompletionRequest)
+    return await handle(svc, request, parsed, "chat", key)

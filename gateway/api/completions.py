@@ -5,15 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway import body
 from gateway.deps import ApiKeyDep, ServicesDep
+from gateway.openapi import json_body
 from gateway.schemas import CompletionRequest
 from gateway.serving import handle
 
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(
-    body: CompletionRequest, request: Request, svc: ServicesDep, key: ApiKeyDep
-) -> Response:
-    return await handle(svc, request, body, "completion", key)
+# As for chat: the key is checked before the body is read and parsed.
+@router.post("/v1/completions", response_model=None, openapi_extra=json_body(CompletionRequest))
+async def completions(request: Request, svc: ServicesDep, key: ApiKeyDep) -> Response:
+    parsed = await body.parse(request, CompletionRequest)
+    return await handle(svc, request, parsed, "completion", key)

@@ -43,7 +43,9 @@ class BackendCall:
     spec: SpecSettings | None = None  # how the embedded engine should speculate (router's choice)
     route: dict[str, Any] = field(default_factory=dict)  # the routing decision, echoed in `metrics`
     observed: Observation = field(default_factory=Observation)
-    engine_id: str = ""  # the embedded engine's id for this call (unique even if request ids repeat)
+    engine_id: str = ""  # the embedded engine's id for this call
+    # Whose drafting state this call may share (the suffix cache): a tenant, or None for nobody's.
+    cache_scope: str | None = None
 
     @property
     def stream(self) -> bool:

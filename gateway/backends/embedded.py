@@ -18,12 +18,13 @@ from engine.spec.params import SpecParams
 from engine.spec.proposer import proposer_factory, proposer_names
 from gateway import openai_format as fmt
 from gateway.backends.base import BackendCall, BackendError
-from gateway.backends.embedded_prompt import Prepared, prepare
-from gateway.backends.engine_worker import EngineWorker
+from gateway.backends.embedded_prompt import Prepared, prepare, prompt_chars
+from gateway.backends.engine_worker import EngineUnavailable, EngineWorker
 from gateway.settings import EmbeddedSettings
 from gateway.tools import ToolCallParser
 
 logger = logging.getLogger("specgate.embedded")
+TOKENIZE_OFF_LOOP_CHARS = 8192  # longer prompts are tokenized in a worker thread
 
 
 class EmbeddedBackend:
@@ -35,7 +36,10 @@ class EmbeddedBackend:
         self.served_name = settings.served_model_name or source.name
         self.worker: EngineWorker | None = None
         self.load_error: str | None = None
+        self.restarts = 0  # engine threads replaced after they ended on their own
         self._loading: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
         self._ids = itertools.count()
         self._token_text: Callable[[int], str] = str  # the engine's per-token text, once it is loaded
         # Speculation methods this engine can run (a draft model or an EAGLE head may be missing).
@@ -50,29 +54,32 @@ class EmbeddedBackend:
 
     @property
     def healthy(self) -> bool:
-        return self.worker is not None and self.worker.alive
+        return self.worker is not None and self.worker.ready
 
     def status(self) -> dict[str, Any]:
-        state = "ready" if self.healthy else ("failed" if self.load_error else "loading")
+        w = self.worker
+        if w is not None:
+            state = w.state if w.alive else "restarting"
+        else:
+            state = "failed" if self.load_error else "loading"
         out: dict[str, Any] = {"state": state, "healthy": self.healthy}
         if self.load_error:
             out["error"] = self.load_error
-        if self.worker is not None:
-            out["num_waiting"] = self.worker.num_waiting
-            out["num_running"] = self.worker.load.num_running
+        if w is not None:
+            out["num_waiting"] = w.num_waiting
+            out["num_running"] = w.load.num_running
+            out["rebuilds"] = w.rebuilds + self.restarts
+            if w.last_error:
+                out["last_error"] = w.last_error
         return out
 
     async def start(self) -> None:
         """Loads the model in a thread; requests get 503 until it is ready."""
         self._loading = asyncio.create_task(self._load())
 
-    async def wait_ready(self) -> None:
-        if self._loading is not None:
-            await asyncio.shield(self._loading)
-
-    async def _load(self) -> None:
+    def _config(self) -> EngineConfig:
         s = self.settings
-        cfg = EngineConfig(
+        return EngineConfig(
             model=s.model,
             gguf_file=s.gguf_file,
             dtype=s.dtype,
@@ -88,20 +95,55 @@ class EmbeddedBackend:
             seed=s.seed,
             proposer_options=s.proposer_options,
         )
+
+    def _build(self) -> Engine:
+        """A fresh engine (first load, and every rebuild after the old one broke)."""
+        return Engine(self._config())
+
+    async def _load(self) -> None:
         try:
-            engine = await asyncio.to_thread(Engine, cfg)
+            engine = await asyncio.to_thread(self._build)
             self.methods = await asyncio.to_thread(_buildable_methods, engine)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("embedded engine failed to load")
             return
         # One cache for the backend's life: logprobs name the same tokens request after request.
-        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: engine.tokenizer.decode([t]))
-        self.worker = EngineWorker(engine, asyncio.get_running_loop())
-        self.worker.start()
+        tokenizer = engine.tokenizer
+        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
+        self.worker = self._worker(engine)
+        self._watchdog = asyncio.create_task(self._watch())
+        cfg = engine.config
         logger.info("embedded engine ready: %s (%s on %s)", self.served_name, cfg.dtype, cfg.device)
 
+    def _worker(self, engine: Engine) -> EngineWorker:
+        worker = EngineWorker(engine, asyncio.get_running_loop(), self._build)
+        worker.start()
+        return worker
+
+    async def _watch(self, interval: float = 0.5) -> None:
+        """If the engine thread ever ends on its own, fail its waiters (retryable) and start another."""
+        while not self._closing:
+            await asyncio.sleep(interval)
+            w = self.worker
+            if w is None or w.alive or self._closing:
+                continue
+            logger.error("the embedded engine thread ended; starting a new one")
+            w.fail_waiters(EngineUnavailable("the embedded engine restarted"))
+            try:
+                engine = await asyncio.to_thread(self._build)
+            except Exception as exc:
+                self.load_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("restarting the embedded engine failed")
+                continue
+            self.load_error = None
+            self.restarts += 1
+            self.worker = self._worker(engine)
+
     async def close(self) -> None:
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._loading is not None and not self._loading.done():
             await asyncio.wait([self._loading])
         if self.worker is not None:
@@ -110,27 +152,33 @@ class EmbeddedBackend:
     # ---- serving ------------------------------------------------------------------------------
 
     def _ready_worker(self) -> EngineWorker:
-        if self.worker is None or not self.worker.alive:
-            msg = (
-                "the embedded model is still loading"
-                if self.load_error is None
-                else "the embedded model failed to load"
-            )
+        w = self.worker
+        if w is None or not w.ready:
+            if w is not None:
+                msg = "the embedded engine is restarting after a failure"
+            elif self.load_error is None:
+                msg = "the embedded model is still loading"
+            else:
+                msg = "the embedded model failed to load"
             raise BackendError(503, msg, code="model_not_ready", retryable=True, retry_after=2)
-        if self.worker.num_waiting >= self.settings.max_waiting:
+        if w.num_waiting >= self.settings.max_waiting:
             raise BackendError(
                 503, "the embedded engine is overloaded", code="overloaded", retryable=True, retry_after=1
             )
-        return self.worker
+        return w
 
-    def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
+    async def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
         worker = self._ready_worker()
-        prep = prepare(call, worker.engine)
+        engine = worker.engine
+        if prompt_chars(call.request) > TOKENIZE_OFF_LOOP_CHARS:
+            prep = await asyncio.to_thread(prepare, call, engine)  # a long prompt: tokenize off the loop
+            worker = self._ready_worker()
+        else:
+            prep = prepare(call, engine)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
-        # Client-chosen x-request-ids may repeat; the engine's ids must not.
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
-        return prep, worker.submit(call.engine_id, prep.prompt_ids, prep.params, spec)
+        return prep, worker.submit(call.engine_id, prep.prompt_ids, prep.params, spec, call.cache_scope)
 
     @staticmethod
     def _spec_params(call: BackendCall) -> SpecParams | None:
@@ -151,11 +199,21 @@ class EmbeddedBackend:
         try:
             while True:
                 item = await q.get()
+                if isinstance(item, EngineUnavailable):
+                    finished = True
+                    raise BackendError(
+                        503, str(item), code="engine_restarting", retryable=True, retry_after=2
+                    )
                 if isinstance(item, BaseException):
                     finished = True
                     status = 400 if isinstance(item, ValueError) else 500
                     code = getattr(item, "code", "engine_error")
                     raise BackendError(status, str(item), code=code)
+                if item.error is not None:
+                    finished = True
+                    raise BackendError(
+                        500, f"the engine failed this request: {item.error}", code="engine_error"
+                    )
                 if call.observed.first_token_time is None and item.new_token_ids:
                     call.observed.first_token_time = time.time()
                 finished = item.finished
@@ -185,7 +243,7 @@ class EmbeddedBackend:
             )
 
     async def complete(self, call: BackendCall) -> dict[str, Any]:
-        prep, q = self._submit(call)
+        prep, q = await self._submit(call)
         text, lps, final = [], [], None
         async for out in self._outputs(call, q):
             text.append(out.new_text)
@@ -220,7 +278,7 @@ class EmbeddedBackend:
         return fmt.chat_response(rid, call.created, model, message, finish, use, logprobs)
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
-        prep, q = self._submit(call)
+        prep, q = await self._submit(call)
         chunks = _ChunkWriter(call, prep, self._token_text)
         outputs = self._outputs(call, q)
         try:

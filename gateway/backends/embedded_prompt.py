@@ -26,6 +26,20 @@ class Prepared:
     echo: str = ""  # completions with echo: the prompt text, sent before the output
 
 
+def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """About how much text the request asks us to tokenize (cheap: no tokenizer involved)."""
+    if isinstance(req, ChatCompletionRequest):
+        total = 0
+        for m in req.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(str(p.get("text", ""))) for p in m.content)
+        return total + sum(len(str(t)) for t in req.tools or ())
+    prompt = req.prompt
+    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+
+
 def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> BackendError:
     return BackendError(400, message, code=code, param=param)
 
@@ -43,6 +57,14 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
         prompt_ids, echo = _completion_prompt(req, engine)
         tools, logprobs = False, req.logprobs
         rid, param = f"cmpl-{call.request_id}", "prompt"
+    vocab = engine.runner.vocab_size
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise BackendError(
+            400,
+            f"stop_token_ids must be in [0, {vocab}) for this model",
+            code="invalid_value",
+            param="stop_token_ids",
+        )
     room = engine.max_model_len - len(prompt_ids)
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):

@@ -3,13 +3,23 @@
 Retries (connection errors, 429, 5xx) happen only before the first byte reaches our client, with
 exponential backoff that honours Retry-After; repeated failures open this backend's breaker.
 Streams are relayed event by event as they arrive.
+
+An upstream is not trusted to be well-behaved: bodies and SSE lines are bounded in size, a stream
+must produce data events (comments and keep-alives do not reset its idle deadline, and nothing
+extends its total one), bodies that are not JSON objects, chunks of the wrong shape, usage numbers
+out of range and Retry-After values that are not finite all become a clean 502 / 503 (failing over
+while nothing has reached the client). An upstream's own 401 / 403 is the gateway's credentials
+failing, reported as a 502 that does not echo the upstream's message. A full local connection
+pool is our limit, not the backend's fault: the breaker does not count it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +38,14 @@ _DROP = ("spec",)  # specgate's own request extensions are not forwarded
 
 
 LATENCY_EWMA = 0.2  # weight of the newest response in the latency average
+MAX_RETRY_AFTER = 3600.0
+MAX_MESSAGE = 1000  # an upstream's error message is cut here
+MAX_USAGE = 2**31 - 1
+MAX_DEPTH = 64
+
+
+class _Malformed(Exception):
+    """The upstream's body or stream broke the protocol; becomes a 502."""
 
 
 class OpenAIBackend:
@@ -135,6 +153,11 @@ class OpenAIBackend:
                     "POST", url, json=payload, headers=self._headers, timeout=self._timeout
                 )
                 response = await self.client.send(request, stream=True)
+            except httpx2.PoolTimeout:
+                # Our own pool is full: no verdict on the backend, so the breaker is left alone.
+                raise BackendError(
+                    503, "the gateway's connection pool is exhausted", code="gateway_busy", retryable=True
+                ) from None
             except (httpx2.TransportError, OSError) as exc:
                 self.breaker.record_failure()
                 last = BackendError(
@@ -143,7 +166,16 @@ class OpenAIBackend:
             else:
                 if response.status_code < 400:
                     return response
-                last = await _error_from(response, self.name)
+                if response.status_code in (401, 403):
+                    await response.aclose()
+                    # Our credentials for it are wrong: another backend may serve; never echo its text.
+                    raise BackendError(
+                        502,
+                        f"backend {self.name} refused the gateway's credentials ({response.status_code})",
+                        code="upstream_auth_failed",
+                        retryable=True,
+                    )
+                last = await _error_from(response, self.name, s.max_response_bytes)
                 if response.status_code >= 500:
                     self.breaker.record_failure()
                 else:
@@ -180,23 +212,22 @@ class OpenAIBackend:
             async with asyncio.timeout(self.settings.total_timeout):
                 response = await self._timed_send(call)
                 try:
-                    raw = await response.aread()
+                    raw = await _read_capped(response, self.settings.max_response_bytes)
                 finally:
                     await response.aclose()
+            body = _json_object(raw, response.headers.get("content-type", ""))
         except (httpx2.TransportError, TimeoutError) as exc:
             self.breaker.record_failure()
             raise BackendError(
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
             ) from exc
-        finally:
-            self.in_flight -= 1
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
+        except _Malformed as exc:
             self.breaker.record_failure()
             raise BackendError(
-                502, f"backend {self.name} sent a body that is not JSON", retryable=True
-            ) from exc
+                502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
+            ) from None
+        finally:
+            self.in_flight -= 1
         self.breaker.record_success()
         self.probe_ok = True  # it served a request: as good as a health probe
         call.observed.first_token_time = time.time()
@@ -207,21 +238,34 @@ class OpenAIBackend:
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         self.in_flight += 1
         response: httpx2.Response | None = None
-        deadline = time.monotonic() + self.settings.total_timeout
+        s = self.settings
+        deadline = time.monotonic() + s.total_timeout
         try:
             response = await self._timed_send(call)
-            async for data in _sse_data(response):
+            ctype = response.headers.get("content-type", "")
+            if "text/event-stream" not in ctype and ctype:
+                raise _Malformed(f"answered a stream request with {ctype[:64]!r}, not an event stream")
+            events = aiter(_sse_data(response, s.max_event_bytes))
+            while True:
+                # Idle: the next data event within read_timeout; total: the whole stream by its deadline.
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    async with asyncio.timeout(min(s.read_timeout, left)):
+                        data = await anext(events)
+                except StopAsyncIteration:
+                    break
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = _json_object(data, "application/json", whole=False)
                 if "error" in chunk:
-                    err = (
-                        chunk["error"]
-                        if isinstance(chunk["error"], dict)
-                        else {"message": str(chunk["error"])}
-                    )
+                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+                    code = err.get("code")
                     raise BackendError(
-                        502, f"backend {self.name}: {err.get('message', 'error')}", code=err.get("code")
+                        502,
+                        f"backend {self.name}: {_text(err.get('message', 'error'))}",
+                        code=code if isinstance(code, str) else None,
                     )
                 capture(chunk, call.observed)
                 if call.observed.first_token_time is None and chunk.get("choices"):
@@ -229,11 +273,19 @@ class OpenAIBackend:
                 chunk["model"] = call.model
                 if chunk.get("choices") or call.request.include_usage:
                     yield chunk
-                if time.monotonic() > deadline:
-                    raise BackendError(504, f"backend {self.name} exceeded its total timeout", code="timeout")
             self.breaker.record_success()
             self.probe_ok = True
-        except (httpx2.TransportError, json.JSONDecodeError) as exc:
+        except TimeoutError:
+            self.breaker.record_failure()
+            raise BackendError(
+                504, f"backend {self.name} sent no data in time", code="timeout", retryable=True
+            ) from None
+        except _Malformed as exc:
+            self.breaker.record_failure()
+            raise BackendError(
+                502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
+            ) from None
+        except httpx2.TransportError as exc:
             self.breaker.record_failure()
             raise BackendError(
                 503, f"backend {self.name} failed mid-stream ({type(exc).__name__})", retryable=True
@@ -245,42 +297,130 @@ class OpenAIBackend:
                 await response.aclose()
 
 
-async def _sse_data(response: httpx2.Response) -> AsyncIterator[str]:
-    """The `data:` payloads of a server-sent event stream (multi-line data joined with newlines)."""
+async def _read_capped(response: httpx2.Response, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_bytes():  # decoded: a compressed bomb is capped too
+        size += len(part)
+        if size > limit:
+            raise _Malformed(f"sent a body over {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dict[str, Any]:
+    """An upstream body as a JSON object of the OpenAI shape, or _Malformed. Usage counts that
+    cannot be true fail a whole body (`whole`: nothing reached the client, another backend may
+    answer); in a stream's last chunk, after the text went out, they are only dropped."""
+    try:
+        body = json.loads(raw, parse_constant=lambda _: None)  # NaN / Infinity: no number at all
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        kind = f" ({content_type[:64]})" if content_type and "json" not in content_type else ""
+        raise _Malformed(f"sent a body that is not JSON{kind}") from None
+    if not isinstance(body, dict):
+        raise _Malformed("sent JSON that is not an object")
+    if _depth(body) > MAX_DEPTH:
+        raise _Malformed(f"sent JSON nested deeper than {MAX_DEPTH} levels")
+    choices = body.get("choices")
+    if choices is not None and (
+        not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices)
+    ):
+        raise _Malformed("sent choices that are not a list of objects")
+    usage = body.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise _Malformed("sent a usage that is not an object")
+    if isinstance(usage, dict):
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            value = usage.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_USAGE
+            ):
+                if whole:
+                    raise _Malformed(f"sent an impossible usage.{key}")
+                usage[key] = None  # a count we cannot believe is no count
+    return body
+
+
+def _depth(root: Any) -> int:
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def _text(value: Any) -> str:
+    return str(value)[:MAX_MESSAGE]
+
+
+async def _sse_data(response: httpx2.Response, max_line: int) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream (multi-line data joined with newlines).
+
+    Lines are split here, not by httpx, so that no line (and no event) may exceed `max_line` bytes,
+    and bytes that are not UTF-8 are a protocol error rather than a crash."""
+    pending = b""
     lines: list[str] = []
-    async for line in response.aiter_lines():
-        if not line:
-            if lines:
-                yield "\n".join(lines)
-                lines = []
-        elif line.startswith("data:"):
+    size = 0
+    async for part in response.aiter_bytes():
+        pending += part
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            try:
+                line = raw.rstrip(b"\r").decode("utf-8")
+            except UnicodeDecodeError:
+                raise _Malformed("sent an event stream that is not UTF-8") from None
+            if not line:
+                if lines:
+                    yield "\n".join(lines)
+                    lines, size = [], 0
+            elif line.startswith("data:"):
+                size += len(line)
+                if size > max_line:
+                    raise _Malformed(f"sent an event over {max_line} bytes")
+                lines.append(line[5:].lstrip(" "))
+        if len(pending) > max_line:
+            raise _Malformed(f"sent an event line over {max_line} bytes")
+    if pending.strip():
+        try:
+            line = pending.rstrip(b"\r").decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Malformed("sent an event stream that is not UTF-8") from None
+        if line.startswith("data:"):
             lines.append(line[5:].lstrip(" "))
     if lines:
         yield "\n".join(lines)
 
 
-async def _error_from(response: httpx2.Response, name: str) -> BackendError:
+async def _error_from(response: httpx2.Response, name: str, limit: int) -> BackendError:
     status = response.status_code
     try:
-        raw = await response.aread()
+        raw = await _read_capped(response, min(limit, 1 << 20))
+    except (_Malformed, httpx2.TransportError):
+        raw = b""
     finally:
         await response.aclose()
     message, code, param, etype = f"backend {name} answered {status}", None, None, None
     try:
         err = json.loads(raw).get("error")
         if isinstance(err, dict):
-            message = str(err.get("message") or message)
+            message = _text(err.get("message") or message)
             code, param, etype = err.get("code"), err.get("param"), err.get("type")
         elif isinstance(err, str):
-            message = err
-    except (json.JSONDecodeError, AttributeError):
+            message = _text(err)
+    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
         pass
+    param = param[:200] if isinstance(param, str) else None
+    etype = etype[:64] if isinstance(etype, str) else None
     retry_after = _retry_after(response.headers.get("retry-after"))
     retryable = status == 429 or status >= 500
     return BackendError(
-        status,
+        status if 400 <= status <= 599 else 502,
         message,
-        code=code if isinstance(code, str) else None,
+        code=code[:64] if isinstance(code, str) else None,
         param=param,
         retryable=retryable,
         retry_after=retry_after,
@@ -289,9 +429,17 @@ async def _error_from(response: httpx2.Response, name: str) -> BackendError:
 
 
 def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait, from delta-seconds or an HTTP date; None for anything not finite or sane."""
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
         return None
+    return min(MAX_RETRY_AFTER, max(0.0, seconds))

@@ -14,14 +14,15 @@ from typing import Any
 from gateway.backends.base import Observation
 
 _KEYS = ("metrics", "meta_info", "timings")
+MAX_COUNT = 2**31 - 1
 
 
 def capture(body: dict[str, Any], obs: Observation) -> None:
     """Update `obs` from one response body or stream chunk."""
     use = body.get("usage")
     if isinstance(use, dict):
-        obs.prompt_tokens = use.get("prompt_tokens", obs.prompt_tokens)
-        obs.completion_tokens = use.get("completion_tokens", obs.completion_tokens)
+        obs.prompt_tokens = _count(use.get("prompt_tokens"), obs.prompt_tokens)
+        obs.completion_tokens = _count(use.get("completion_tokens"), obs.completion_tokens)
     for choice in body.get("choices") or ():
         if isinstance(choice, dict) and choice.get("finish_reason"):
             obs.finish_reason = choice["finish_reason"]
@@ -31,9 +32,19 @@ def capture(body: dict[str, Any], obs: Observation) -> None:
     for key in _KEYS:
         if isinstance(body.get(key), dict):
             obs.upstream[key] = body[key]
-    spec = spec_from_upstream(obs.upstream)
+    try:
+        spec = spec_from_upstream(obs.upstream)
+    except (TypeError, ValueError, OverflowError, AttributeError):  # fields of the wrong type: ignored
+        spec = None
     if spec is not None:
         obs.spec = spec
+
+
+def _count(value: Any, default: int | None) -> int | None:
+    """A token count from an upstream: a non-negative int in range, else the count we had."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    return default
 
 
 def spec_from_upstream(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -65,6 +76,11 @@ def spec_from_upstream(raw: dict[str, Any]) -> dict[str, Any] | None:
 def _spec(
     source: str, steps: int | None, drafted: int | None, accepted: int, counts: list[int] | None
 ) -> dict[str, Any]:
+    steps = None if steps is None else min(MAX_COUNT, max(0, steps))
+    drafted = None if drafted is None else min(MAX_COUNT, max(0, drafted))
+    accepted = min(MAX_COUNT, max(0, accepted))
+    if counts is not None:
+        counts = [min(MAX_COUNT, max(0, c)) for c in counts[:64]]
     out: dict[str, Any] = {
         "method": f"upstream:{source}",
         "num_drafts": steps,

@@ -17,6 +17,7 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
     in_flight = rec.load.get("backend_in_flight") or {}
     return {
         "request_id": rec.request_id,
+        "client_request_id": rec.client_request_id,
         "api_key_id": rec.api_key_id,
         "endpoint": rec.endpoint,
         "model": rec.model,

@@ -35,7 +35,11 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(
+    url: str, *, connect_timeout: float | None = None, statement_timeout: float | None = None, **kwargs: Any
+) -> Engine:
+    """An engine for `url`. PostgreSQL gets connect and statement timeouts, so a database that hangs
+    costs the writer seconds, not forever (the rows spool meanwhile)."""
     if is_sqlite(url):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -52,7 +56,13 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    connect_args: dict[str, Any] = {}
+    if url.startswith("postgresql"):
+        if connect_timeout is not None:
+            connect_args["connect_timeout"] = max(1, round(connect_timeout))
+        if statement_timeout is not None:
+            connect_args["options"] = f"-c statement_timeout={round(statement_timeout * 1000)}"
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, pool_timeout=30, **kwargs)
 
 
 def alembic_config(url: str) -> Config:

@@ -1,35 +1,80 @@
-"""An append-only JSON-lines file that holds rows while the database is unreachable.
+"""Append-only JSON-lines files that hold rows while the database is unreachable, one per process.
 
-Lines are appended and fsynced per batch; replay reads them in order. A torn last line (a crash
-mid-write) is skipped on read. The writer is the only user, from one thread.
+Each writer owns one file in the spool directory, `spool-<pid>-<random>.jsonl`, and holds an
+exclusive `flock` on it for as long as it lives: replicas on one host (or two gateways pointed at
+the same directory) never write, replay or delete each other's rows. A file whose lock can be
+taken belongs to a process that is gone; `orphans()` hands such files to a live writer, which
+replays and then deletes them under the lock (a restarted gateway, or a sibling, takes over what a
+crashed one left).
+
+Lines are appended with every byte written (short writes are continued) and fsynced per batch;
+replay reads them in order. A torn last line (a crash mid-write) is skipped on read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("specgate.telemetry")
+PATTERN = "spool-*.jsonl"
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write may write less than asked (a signal, a nearly full disk): go on until all is out."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError("the spool file accepted no bytes")
+        view = view[n:]
+
+
+def read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open("rb") as f:
+        for n, line in enumerate(f):
+            try:
+                entry = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                logger.warning("skipping torn line %d of telemetry spool %s", n + 1, path)
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("r"), dict):
+                yield entry
 
 
 class Spool:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    """This process's spool file in `directory`, locked while the process lives."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / f"spool-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise
+            self._fd = fd
+        return self._fd
 
     def append(self, entries: list[dict[str, Any]]) -> None:
-        """Raises OSError (disk full, ...) without having written a partial batch it knows of."""
-        data = "".join(json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in entries).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Raises OSError (disk full, ...); a partial line it leaves is skipped on replay."""
+        data = "".join(json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in entries)
+        fd = self._open()
+        write_all(fd, data.encode("utf-8", "replace"))
+        os.fsync(fd)
 
     def __len__(self) -> int:
         if not self.path.exists():
@@ -41,15 +86,69 @@ class Spool:
         return not self.path.exists() or self.path.stat().st_size == 0
 
     def read(self) -> Iterator[dict[str, Any]]:
-        if not self.path.exists():
-            return
-        with self.path.open("rb") as f:
-            for n, line in enumerate(f):
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    logger.warning("skipping torn line %d of telemetry spool %s", n + 1, self.path)
+        if self.path.exists():
+            yield from read_lines(self.path)
 
     def clear(self) -> None:
-        """After a full replay: every line is in the database, so the file can go."""
+        """After a full replay: every line is in the database (or quarantined)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+        else:
+            self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Release the lock; an empty file goes, one with rows stays for the next process."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self._fd).st_size == 0:
+                self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+    # ---- files left by processes that are gone ----------------------------------------------
+
+    def orphans(self) -> Iterator[Orphan]:
+        """Other spool files in the directory whose owner is gone, each locked for the caller."""
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob(PATTERN)):
+            if path == self.path:
+                continue
+            orphan = Orphan.claim(path)
+            if orphan is not None:
+                yield orphan
+
+
+class Orphan:
+    """A dead process's spool file, locked by us until `done()` (delete) or `release()`."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def claim(cls, path: Path) -> Orphan | None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None  # deleted meanwhile by whoever replayed it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None  # its owner is alive
+        if not path.exists():
+            os.close(fd)
+            return None
+        return cls(path, fd)
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        yield from read_lines(self.path)
+
+    def done(self) -> None:
         self.path.unlink(missing_ok=True)
+        self.release()
+
+    def release(self) -> None:
+        os.close(self._fd)

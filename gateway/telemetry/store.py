@@ -26,8 +26,11 @@ class TelemetryStore:
         self.auto_upgrade = (
             settings.auto_upgrade if settings.auto_upgrade is not None else settings.url is None
         )
-        spool = settings.spool_path or str(default_data_dir() / f"telemetry-spool-{self._url_tag()}.jsonl")
-        self.engine = make_engine(self.url)
+        # One directory per database; in it, one spool file per process (see spool.py).
+        spool = settings.spool_dir or str(default_data_dir() / f"telemetry-spool-{self._url_tag()}")
+        self.engine = make_engine(
+            self.url, connect_timeout=settings.connect_timeout, statement_timeout=settings.statement_timeout
+        )
         self.writer = TelemetryWriter(
             self.engine,
             Spool(Path(spool)),
@@ -62,7 +65,9 @@ class TelemetryStore:
 
     async def ready(self) -> tuple[bool, str]:
         ok = await asyncio.to_thread(self.writer.ping)
-        return ok, "reachable" if ok else f"unreachable; spooling to {self.writer.spool.path}"
+        w = self.writer
+        state = "reachable" if ok else f"unreachable; spooling to {w.spool.path}"
+        return ok, f"{state}; backlog {w.backlog()} rows, quarantined {w.counters.quarantined}"
 
     def close(self) -> None:
         self.writer.close()

@@ -32,8 +32,10 @@ metadata = MetaData(
 requests = Table(
     "requests",
     metadata,
-    # Identity. The key id is a hash prefix of the API key, never the key.
+    # Identity. request_id is the gateway's own (unique); client_request_id the client's
+    # x-request-id as sent (it may repeat). The key id is a hash prefix of the API key, never the key.
     Column("request_id", String(128), primary_key=True),
+    Column("client_request_id", String(128)),
     Column("api_key_id", String(32)),
     Column("endpoint", String(16), nullable=False),
     Column("model", String(256), nullable=False),
@@ -90,6 +92,7 @@ requests = Table(
     Index(None, "workload_class", "spec_method"),
     Index(None, "backend", "spec_method", "received_at"),
     Index(None, "outcome", "received_at"),
+    Index(None, "client_request_id"),
 )
 
 spec_steps = Table(
@@ -124,4 +127,17 @@ policy_versions = Table(
     Column("artifact", JSON, nullable=False),  # policies.state.PolicyState.as_dict()
     Column("note", Text),
     Index(None, "status"),
+)
+
+# Rows the database refused for a reason of their own (not an outage): kept here with the error,
+# never retried in a loop, never blocking the rows behind them. `row` is the JSON of the row.
+telemetry_quarantine = Table(
+    "telemetry_quarantine",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("quarantined_at", DateTime(timezone=True), nullable=False),
+    Column("request_id", String(128)),
+    Column("error", Text, nullable=False),
+    Column("row", Text, nullable=False),
+    Index(None, "quarantined_at"),
 )

@@ -1,17 +1,29 @@
 """The background writer: request path -> bounded queue -> batched idempotent inserts.
 
-`submit()` never touches the database. A thread takes rows off the queue in batches (by size or
-after `flush_interval`) and inserts them with ON CONFLICT DO NOTHING on the request id, so a
-replayed or repeated row can never become a duplicate, whichever replica wrote it first. When the
-database fails, batches go to the spool file instead; every `retry_interval` the writer replays the
-spool in order and, once it is all in, deletes it. New batches queue behind the spool meanwhile,
-so rows reach the database in the order they were written.
+`submit()` never touches the database or the disk: it runs on the event loop. A thread takes rows
+off the queue in batches (by size or after `flush_interval`), fits their values to the columns and
+inserts them with ON CONFLICT DO NOTHING on the request id, so a replayed or repeated row can never
+become a duplicate, whichever replica wrote it first. Rows that find the queue full wait in an
+overflow list that the thread moves to the spool first.
+
+When an insert fails, the writer asks the database whether it is there at all:
+- unreachable: the batch goes to this process's spool file; every `retry_interval` the writer
+  replays the spool and, once it is all in, empties it. New batches queue behind the spool.
+- reachable: the batch itself is at fault. Its rows are inserted one by one and any row the
+  database refuses is quarantined (the `telemetry_quarantine` table, or a file beside the spool if
+  even that fails) with its error, so one bad row never blocks the rows behind it, here or in a
+  replay, across restarts too.
+Spool files left by processes that are gone are adopted and replayed (see `spool.py`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import datetime as dt
+import json
 import logging
+import os
 import queue
 import random
 import threading
@@ -25,12 +37,18 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from gateway.records import RequestRecord
+from gateway.telemetry.fit import clean_text, fit_row
 from gateway.telemetry.rows import request_row, step_rows, to_sql
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.tables import requests, spec_steps
+from gateway.telemetry.spool import Orphan, Spool, write_all
+from gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 
 logger = logging.getLogger("specgate.telemetry")
 _WAKE: dict[str, Any] = {}  # put on the queue by close() to wake the thread; never written
+ORPHAN_SCAN_INTERVAL = 10.0
+
+
+class DatabaseDown(Exception):
+    """An insert failed and the database does not answer a ping: spool, don't quarantine."""
 
 
 @dataclass(slots=True)
@@ -41,6 +59,9 @@ class WriterCounters:
     replayed: int = 0
     dropped: int = 0
     db_errors: int = 0
+    quarantined: int = 0
+    adopted: int = 0  # spool files of dead processes replayed here
+    spool_backlog: int = 0  # rows in this process's spool now
 
 
 class TelemetryWriter:
@@ -66,14 +87,15 @@ class TelemetryWriter:
         self.counters = WriterCounters()
         self.db_up = True
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_queue)
-        self._spool_lock = threading.Lock()
+        self._overflow: collections.deque[dict[str, Any]] = collections.deque()
         self._stop = threading.Event()
         self._last_retry = 0.0
+        self._last_scan = 0.0
         self._thread = threading.Thread(target=self._run, name="specgate-telemetry", daemon=True)
         self._rng = random.Random()
         self._insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
 
-    # ---- request path -------------------------------------------------------------------------
+    # ---- request path (event loop: no I/O here) -----------------------------------------------
 
     def submit(self, rec: RequestRecord) -> None:
         entry: dict[str, Any] = {"r": request_row(rec)}
@@ -82,8 +104,8 @@ class TelemetryWriter:
         self.counters.queued += 1
         try:
             self._queue.put_nowait(entry)
-        except queue.Full:  # the writer is far behind: keep the row on disk rather than lose it
-            self._to_spool([entry])
+        except queue.Full:  # the writer is far behind: its thread moves these to the spool
+            self._overflow.append(entry)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -96,18 +118,23 @@ class TelemetryWriter:
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(_WAKE)  # don't sit out the rest of a flush interval
         self._thread.join(timeout)
+        self.spool.close()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every submitted row has been written or spooled (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        while self._queue.unfinished_tasks or self._overflow:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
         return True
 
     def queue_size(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._overflow)
+
+    def backlog(self) -> int:
+        """Rows not yet in the database: queued, overflowing, or in this process's spool."""
+        return self.queue_size() + self.counters.spool_backlog
 
     def ping(self) -> bool:
         try:
@@ -120,18 +147,38 @@ class TelemetryWriter:
     # ---- writer thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if not self.spool.empty():
-            self._replay()
         while True:
-            batch = self._take()
-            if batch:
+            try:
+                self._cycle()
+            except Exception:  # never let the thread die: rows would pile up unseen
+                logger.exception("telemetry writer cycle failed")
+                time.sleep(self.retry_interval)
+            if self._stop.is_set() and self._queue.empty() and not self._overflow:
+                self._spill_overflow()
+                return
+
+    def _cycle(self) -> None:
+        self._spill_overflow()
+        batch = self._take()
+        if batch:
+            try:
                 self._write(batch)
+            finally:
                 for _ in batch:
                     self._queue.task_done()
-            elif not self.spool.empty():
-                self._maybe_replay()
-            if self._stop.is_set() and self._queue.empty():
-                return
+        elif self.counters.spool_backlog:
+            self._maybe_replay()
+        if time.monotonic() - self._last_scan >= ORPHAN_SCAN_INTERVAL:
+            self._last_scan = time.monotonic()
+            self._adopt_orphans()
+
+    def _spill_overflow(self) -> None:
+        if not self._overflow:
+            return
+        entries = []
+        while self._overflow:
+            entries.append(self._overflow.popleft())
+        self._to_spool(entries)
 
     def _take(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []
@@ -152,17 +199,15 @@ class TelemetryWriter:
         return batch
 
     def _write(self, batch: list[dict[str, Any]]) -> None:
-        if not self.spool.empty() and not self._maybe_replay():
-            self._to_spool(batch)  # keep order: older rows are still in the spool
+        if self.counters.spool_backlog and not self._maybe_replay():
+            self._to_spool(batch)  # the database is still down: queue behind the spool
             return
         try:
-            self._insert_entries(batch)
-        except Exception as exc:
-            self.note_db_failure(exc)
+            self._insert_resilient(batch)
+        except DatabaseDown:
             self._to_spool(batch)
             return
         self.counters.written += len(batch)
-        self._db_ok()
 
     def _maybe_replay(self) -> bool:
         if time.monotonic() - self._last_retry < self.retry_interval and not self._stop.is_set():
@@ -171,33 +216,80 @@ class TelemetryWriter:
 
     def _replay(self) -> bool:
         self._last_retry = time.monotonic()
-        with self._spool_lock:
-            try:
-                n = 0
-                chunk: list[dict[str, Any]] = []
-                for entry in self.spool.read():
-                    chunk.append(entry)
-                    if len(chunk) >= self.batch_size:
-                        self._insert_entries(chunk)
-                        n += len(chunk)
-                        chunk = []
-                if chunk:
-                    self._insert_entries(chunk)
-                    n += len(chunk)
-            except Exception as exc:
-                self.note_db_failure(exc)
-                return False
-            self.spool.clear()
+        try:
+            n = self._insert_chunks(self.spool.read())
+        except DatabaseDown:
+            return False
+        self.spool.clear()
+        self.counters.spool_backlog = 0
         self.counters.replayed += n
         if n:
             logger.warning("telemetry database is back: replayed %d spooled rows", n)
-        self._db_ok()
         return True
 
-    def _insert_entries(self, entries: Iterable[dict[str, Any]]) -> None:
-        entries = list(entries)
-        rows = [to_sql(e["r"]) for e in entries]
-        steps = [s for e in entries for s in e.get("s", ())]
+    def _adopt_orphans(self) -> None:
+        """Replay spool files whose process is gone (a crash, a replica that stopped)."""
+        try:
+            orphans = list(self.spool.orphans())
+        except OSError:
+            return
+        for orphan in orphans:
+            self._adopt(orphan)
+
+    def _adopt(self, orphan: Orphan) -> None:
+        try:
+            n = self._insert_chunks(orphan.read())
+        except DatabaseDown:
+            orphan.release()  # try again at the next scan
+            return
+        except OSError:
+            orphan.release()
+            return
+        orphan.done()
+        self.counters.adopted += 1
+        self.counters.replayed += n
+        logger.warning("replayed %d telemetry rows left in %s by a process that is gone", n, orphan.path)
+
+    def _insert_chunks(self, entries: Iterable[dict[str, Any]]) -> int:
+        n = 0
+        chunk: list[dict[str, Any]] = []
+        for entry in entries:
+            chunk.append(entry)
+            if len(chunk) >= self.batch_size:
+                self._insert_resilient(chunk)
+                n += len(chunk)
+                chunk = []
+        if chunk:
+            self._insert_resilient(chunk)
+            n += len(chunk)
+        return n
+
+    def _insert_resilient(self, entries: list[dict[str, Any]]) -> None:
+        """Insert `entries`; raises DatabaseDown if the database is gone. Rows it refuses while it
+        is up are quarantined one by one."""
+        try:
+            self._insert_entries(entries)
+        except Exception as exc:
+            self.counters.db_errors += 1
+            if not self.ping():
+                self.note_db_failure(exc)
+                raise DatabaseDown() from exc
+            for entry in entries:
+                self._insert_or_quarantine(entry)
+        self.db_up = True
+
+    def _insert_or_quarantine(self, entry: dict[str, Any]) -> None:
+        try:
+            self._insert_entries([entry])
+        except Exception as exc:
+            if not self.ping():
+                self.note_db_failure(exc)
+                raise DatabaseDown() from exc
+            self._quarantine(entry, exc)
+
+    def _insert_entries(self, entries: list[dict[str, Any]]) -> None:
+        rows = [to_sql(fit_row(requests, e["r"])) for e in entries]
+        steps = [fit_row(spec_steps, s) for e in entries for s in e.get("s", ())]
         with self.engine.begin() as conn:
             conn.execute(self._insert(requests).on_conflict_do_nothing(index_elements=["request_id"]), rows)
             if steps:
@@ -206,26 +298,56 @@ class TelemetryWriter:
                 )
                 conn.execute(stmt, steps)
 
-    def _to_spool(self, entries: list[dict[str, Any]]) -> None:
-        with self._spool_lock:
-            try:
-                self.spool.append(entries)
-            except OSError:
-                self.counters.dropped += len(entries)
-                logger.critical(
-                    "TELEMETRY ROWS LOST: %d rows could not be written to the database or the spool %s",
-                    len(entries),
-                    self.spool.path,
-                    exc_info=True,
+    def _quarantine(self, entry: dict[str, Any], exc: Exception) -> None:
+        row = entry.get("r") or {}
+        request_id = clean_text(str(row.get("request_id")), 128)
+        error = clean_text(f"{type(exc).__name__}: {exc}", 4000)
+        payload = json.dumps(entry, ensure_ascii=True, default=str)
+        logger.error("telemetry row %s quarantined: %s", request_id, error.splitlines()[0][:200])
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(
+                    telemetry_quarantine.insert(),
+                    {
+                        "quarantined_at": dt.datetime.now(dt.UTC),
+                        "request_id": request_id,
+                        "error": error,
+                        "row": payload,
+                    },
                 )
+        except Exception:
+            logger.exception("the quarantine table refused row %s too; keeping it in a file", request_id)
+            try:
+                path = self.spool.directory / f"quarantine-{os.getpid()}.jsonl"
+                self.spool.directory.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    line = json.dumps({"error": error, "entry": payload}, ensure_ascii=True) + "\n"
+                    write_all(fd, line.encode())
+                finally:
+                    os.close(fd)
+            except OSError:
+                self.counters.dropped += 1
+                logger.critical("TELEMETRY ROW LOST: %s could not be quarantined anywhere", request_id)
                 return
+        self.counters.quarantined += 1
+
+    def _to_spool(self, entries: list[dict[str, Any]]) -> None:
+        try:
+            self.spool.append(entries)
+        except OSError:
+            self.counters.dropped += len(entries)
+            logger.critical(
+                "TELEMETRY ROWS LOST: %d rows could not be written to the database or the spool %s",
+                len(entries),
+                self.spool.path,
+                exc_info=True,
+            )
+            return
         self.counters.spooled += len(entries)
+        self.counters.spool_backlog += len(entries)
 
     def note_db_failure(self, exc: Exception) -> None:
-        self.counters.db_errors += 1
         if self.db_up:
             logger.error("telemetry database unavailable, spooling to %s: %s", self.spool.path, exc)
         self.db_up = False
-
-    def _db_ok(self) -> None:
-        self.db_up = True

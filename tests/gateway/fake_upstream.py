@@ -44,7 +44,7 @@ HTTP = httpx.Client(timeout=20)
 class Reply:
     """One scripted answer to a POST. Build it with the class methods."""
 
-    kind: str = "ok"  # ok | error | hang | drop | stream_drop | stream_error
+    kind: str = "ok"  # ok | error | hang | drop | stream_drop | stream_error | raw
     status: int = 200
     message: str = "scripted failure"
     code: str | None = None
@@ -55,6 +55,11 @@ class Reply:
     after: int = 1  # content chunks sent before a mid-stream failure
     extra: dict[str, Any] = field(default_factory=dict)  # merged into the body, or the stream's last chunk
     tool_calls: list[dict[str, Any]] | None = None
+    # raw: the answer exactly as given (status, headers, body chunks), for misbehaving upstreams.
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    every: float = 0.0  # seconds between chunks
+    forever: bool = False  # repeat the chunks until the upstream stops
 
     @classmethod
     def ok(cls, text: str | None = None, **kw: Any) -> Reply:
@@ -63,6 +68,20 @@ class Reply:
     @classmethod
     def error(cls, status: int, message: str = "scripted failure", **kw: Any) -> Reply:
         return cls("error", status=status, message=message, **kw)
+
+    @classmethod
+    def raw(
+        cls,
+        status: int = 200,
+        chunks: list[bytes] | bytes = b"",
+        headers: list[tuple[str, str]] | None = None,
+        every: float = 0.0,
+        forever: bool = False,
+    ) -> Reply:
+        """Send exactly this: a status, headers and body chunks (chunked encoding), as a broken or
+        hostile server would."""
+        body = [chunks] if isinstance(chunks, bytes) else chunks
+        return cls("raw", status=status, headers=headers or [], chunks=body, every=every, forever=forever)
 
     @classmethod
     def hang(cls) -> Reply:
@@ -246,6 +265,20 @@ class FakeUpstream:
         if reply.kind == "drop":
             writer.transport.abort()
             return False
+        if reply.kind == "raw":
+            writer.write(conn.send(h11.Response(status_code=reply.status, headers=reply.headers)))
+            while True:
+                for part in reply.chunks:
+                    if part:
+                        writer.write(conn.send(h11.Data(data=part)))
+                    await writer.drain()
+                    if reply.every:
+                        await asyncio.sleep(reply.every)
+                if not reply.forever:
+                    break
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            return True
         if reply.kind == "error":
             headers_out = [("retry-after", reply.retry_after)] if reply.retry_after is not None else []
             err = _error_body(reply.message, reply.type, reply.code, reply.param)

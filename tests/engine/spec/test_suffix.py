@@ -224,6 +224,27 @@ def test_finished_requests_feed_the_global_cache() -> None:
     assert p.cached_tokens == len(a_prompt) + 2 + len(b_prompt)
 
 
+def test_scopes_keep_tenants_apart_within_one_budget() -> None:
+    p = SuffixProposer(context(max_depth=4, max_cached_tokens=12))
+    shared = [40, 41, 42]
+    p.start("a", shared, scope="tenant-a")
+    p.finish("a", [*shared, 50, 51])  # tenant a's output
+    p.start("b", shared, scope="tenant-b")
+    assert propose_one(p, "b", shared, k=2) == []  # tenant b never drafts from a's output
+    p.start("a2", shared, scope="tenant-a")
+    assert propose_one(p, "a2", shared, k=2) == [50, 51]  # a's next request does
+    p.start("anon", shared, scope=None)
+    assert propose_one(p, "anon", shared, k=2) == []  # scope None reads nothing
+    p.finish("anon", [*shared, 60, 61])
+    assert p.cached_tokens == 5 and p.scopes == ["tenant-a"]  # ... and feeds nothing
+    p.finish("b", [*shared, 70, 71, 72, 73])  # 7 more tokens: 12 in all, within the budget
+    assert sorted(p.scopes) == ["tenant-a", "tenant-b"]
+    p.finish("a2", [*shared, 50, 51])  # 17 > 12: the oldest sequence (a's first) goes, from its scope
+    assert p.cached_tokens == 12 and sorted(p.scopes) == ["tenant-a", "tenant-b"]
+    p.start("a3", shared, scope="tenant-a")
+    assert propose_one(p, "a3", shared, k=2) == [50, 51]
+
+
 def test_the_candidate_with_the_higher_score_wins() -> None:
     p = SuffixProposer(context())
     prompt = [1, 2, 9, 1, 2]
@@ -240,12 +261,12 @@ def test_the_global_cache_stays_within_max_cached_tokens() -> None:
     p.cache(s1)
     p.cache(s2)
     assert p.cached_tokens == 8
-    assert p._global.num_nodes == fresh(4, [s1, s2]).num_nodes == 20
+    assert p.shared_tree().num_nodes == fresh(4, [s1, s2]).num_nodes == 20
     assert propose_one(p, "x", [0, 1, 2], k=2) == [3, 4]
     p.cache(s3)  # 11 tokens > 10: the oldest sequence goes
     assert p.cached_tokens == 7
-    assert dump(p._global) == dump(fresh(4, [s2, s3]))
-    assert p._global.num_nodes == 16
+    assert dump(p.shared_tree()) == dump(fresh(4, [s2, s3]))
+    assert p.shared_tree().num_nodes == 16
     assert propose_one(p, "x", [0, 1, 2], k=2) == []
     assert propose_one(p, "x", [0, 21, 22], k=2) == [23]
     assert propose_one(p, "x", [0, 11, 12], k=2) == [13, 14]
@@ -257,7 +278,7 @@ def test_finish_caches_at_most_max_cached_tokens_of_a_long_request() -> None:
     p.start("r", tokens[:5])
     p.finish("r", tokens)
     assert p.cached_tokens == 10
-    assert dump(p._global) == dump(fresh(4, [tokens[5:]]))
+    assert dump(p.shared_tree()) == dump(fresh(4, [tokens[5:]]))
     assert propose_one(p, "x", [31, 32], k=2) == []  # the evicted head
     assert propose_one(p, "x", [41, 42], k=2) == [43, 44]
 
@@ -293,13 +314,15 @@ def test_concurrent_cache_and_propose_leave_a_consistent_tree() -> None:
         sys.setswitchinterval(old_interval)
     assert errors == []
     assert num_proposals > 0  # the main thread really read the cache while it was being fed
-    cached = list(p._cached)
+    cached = [seq for _, seq in p._cached]
+    tree = p.shared_tree()
+    assert tree is not None
     assert p.cached_tokens == sum(map(len, cached)) <= 400
-    assert dump(p._global) == dump(fresh(6, cached))
-    assert p._global.num_nodes == len(dump(p._global))
+    assert dump(tree) == dump(fresh(6, cached))
+    assert tree.num_nodes == len(dump(tree))
     for seq in cached:
-        p._global.remove(seq)
-    assert p._global.num_nodes == 0 and p._global.root.children == {}
+        tree.remove(seq)
+    assert tree.num_nodes == 0 and tree.root.children == {}
 
 
 @pytest.mark.parametrize(

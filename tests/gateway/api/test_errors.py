@@ -130,7 +130,7 @@ def test_engine_failure_is_a_clean_500_and_the_gateway_keeps_serving(
 @pytest.fixture(scope="module")
 def guarded(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
     live = start_gateway(
-        tiny_settings(str(tiny_llama_dir), api_keys=["k-good", "k-other"], rate_limit_rpm=30)
+        tiny_settings(str(tiny_llama_dir), api_keys=["k-good", "k-other", "k-refusals"], rate_limit_rpm=30)
     )
     yield live
     live.stop()
@@ -213,7 +213,8 @@ def test_overload_is_503_with_retry_after(
 
 def test_every_refused_request_leaves_exactly_one_record(guarded: LiveGateway, model_name: str) -> None:
     url = f"{guarded.url}/v1/chat/completions"
-    key = {"authorization": "Bearer k-good"}
+    # A key of its own: every request counts against its key's rate limit, refused ones included.
+    key = {"authorization": "Bearer k-refusals"}
     body = {"model": model_name, "messages": MESSAGES, "max_tokens": 2}
     cases = {
         "rej-invalid": (
@@ -258,7 +259,7 @@ def test_every_refused_request_leaves_exactly_one_record(guarded: LiveGateway, m
     records = guarded.services.recent.records
     for rid, (response, status) in cases.items():
         assert response.status_code == status, rid
-        mine = [r for r in records if r.request_id == rid]
+        mine = [r for r in records if r.client_request_id == rid]
         assert len(mine) == 1, rid
         assert mine[0].status == status and mine[0].outcome == "error" and mine[0].endpoint == "chat"
-    assert [r.model for r in records if r.request_id == "rej-invalid"] == [model_name]
+    assert [r.model for r in records if r.client_request_id == "rej-invalid"] == [model_name]

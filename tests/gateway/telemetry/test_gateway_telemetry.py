@@ -14,13 +14,14 @@ from gateway.cli import main
 from gateway.telemetry import schema
 from gateway.telemetry.tables import requests
 from tests.gateway.live import start_gateway, tiny_settings
-from tests.gateway.telemetry.tcp_proxy import behind_proxy
+from bench.tcp_proxy import behind_proxy
 
 
 def rows(url: str) -> dict[str, dict]:
+    """Rows by the client's x-request-id (the tests send unique ones; the key is the gateway's id)."""
     engine = schema.make_engine(url)
     with engine.connect() as conn:
-        out = {r["request_id"]: dict(r) for r in conn.execute(select(requests)).mappings()}
+        out = {r["client_request_id"]: dict(r) for r in conn.execute(select(requests)).mappings()}
     engine.dispose()
     return out
 
@@ -32,7 +33,7 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     proxy, via_proxy = behind_proxy(pg_url)
     telemetry = {
         "url": via_proxy,
-        "spool_path": str(tmp_path / "spool.jsonl"),
+        "spool_dir": str(tmp_path / "spool"),
         "flush_interval": 0.02,
         "retry_interval": 0.1,
         "spec_steps_sample_rate": 1.0,
@@ -61,6 +62,9 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
             second = list(pool.map(call, range(40, 100)))
             ready = httpx.get(f"{live.url}/readyz").json()
             assert ready["checks"]["store"]["ok"] is False
+            assert "backlog" in ready["checks"]["store"]["detail"]
+            assert "quarantined 0" in ready["checks"]["store"]["detail"]
+            assert "specgate_telemetry_spool_backlog" in httpx.get(f"{live.url}/metrics").text
             proxy = proxy.restarted()
             third = list(pool.map(call, range(100, 120)))
         statuses = first + second + third
@@ -80,6 +84,7 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     assert (
         "specgate_telemetry_rows_spooled_total" in metrics
         and "specgate_telemetry_rows_dropped_total 0.0" in metrics
+        and "specgate_telemetry_rows_quarantined_total 0.0" in metrics
     )
     ok = got["burst-0"]
     assert ok["status"] == 200 and ok["backend"] == "embedded" and ok["completion_tokens"] == 4
@@ -117,11 +122,11 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
 ) -> None:
     schema.upgrade(pg_url)
     proxy, via_proxy = behind_proxy(pg_url)
-    spool = str(tmp_path / "spool.jsonl")
+    spool = tmp_path / "spool"
     # A slow flush interval: rows are still queued when the gateway is told to stop.
     telemetry = {
         "url": via_proxy,
-        "spool_path": spool,
+        "spool_dir": str(spool),
         "flush_interval": 5.0,
     }
     live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))
@@ -135,10 +140,11 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
     assert [_chat(live.url, model, f"spooled-{i}") for i in range(5)] == [200] * 5
     live.stop()
     assert not [r for r in rows(pg_url) if r.startswith("spooled")]
-    assert Path(spool).exists() and Path(spool).stat().st_size > 0
+    left = list(spool.glob("spool-*.jsonl"))  # the stopped process's file, its lock released
+    assert len(left) == 1 and left[0].stat().st_size > 0
 
     proxy = proxy.restarted()
-    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))  # restart: replays first
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))  # restart: adopts it
     deadline = time.monotonic() + 15
     while len(rows(pg_url)) < 10 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -147,4 +153,4 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
     assert sorted(rows(pg_url)) == sorted(
         [f"flush-{i}" for i in range(5)] + [f"spooled-{i}" for i in range(5)]
     )
-    assert not Path(spool).exists()
+    assert list(spool.glob("spool-*.jsonl")) == []

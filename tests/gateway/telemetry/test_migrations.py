@@ -25,25 +25,49 @@ def _tables(url: str) -> tuple[set[str], set[str]]:
         engine.dispose()
 
 
+def _columns(url: str, table: str) -> set[str]:
+    engine = schema.make_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_one_head() -> None:
+    """Revisions form one chain: each new one is chained on the head before it."""
+    from alembic.script import ScriptDirectory
+
+    heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
+    assert heads == ["0003"]
+
+
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0002"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0003"
     tables, views = _tables(db_url)
-    assert {"requests", "spec_steps", "policy_versions", "alembic_version"} <= tables and views == VIEWS
+    assert {"requests", "spec_steps", "policy_versions", "telemetry_quarantine", "alembic_version"} <= tables
+    assert views == VIEWS
     schema.downgrade(db_url, "base")
     assert schema.current_revision(engine) is None
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0002"
-    # One step down removes only the policy table; the request telemetry stays.
+    assert schema.current_revision(engine) == "0003"
+    # One step down removes the quarantine table and the client id column, nothing else.
+    schema.downgrade(db_url, "0002")
+    tables, views = _tables(db_url)
+    assert "telemetry_quarantine" not in tables and {"requests", "policy_versions"} <= tables
+    assert "client_request_id" not in _columns(db_url, "requests") and views == VIEWS
+    schema.upgrade(db_url)
+    assert "client_request_id" in _columns(db_url, "requests")
+    # One more down removes only the policy table; the request telemetry stays.
     schema.downgrade(db_url, "0001")
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0002"
+    assert schema.current_revision(engine) == "0003"
     engine.dispose()
 
 
@@ -76,7 +100,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0002"
+    assert schema.current_revision(lite) == "0003"
     lite.dispose()
 
 
@@ -84,7 +108,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "gateway.cli", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0002" in out.stdout
+    assert "current: 0003" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -93,4 +117,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0002 (head)" in out.stdout
+    assert "0003 (head)" in out.stdout

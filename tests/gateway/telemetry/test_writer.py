@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,10 +13,11 @@ from sqlalchemy import func, select
 
 from gateway.records import RequestRecord
 from gateway.telemetry import schema
+from gateway.telemetry.rows import request_row
 from gateway.telemetry.spool import Spool
-from gateway.telemetry.tables import requests, spec_steps
+from gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 from gateway.telemetry.writer import TelemetryWriter
-from tests.gateway.telemetry.tcp_proxy import behind_proxy
+from bench.tcp_proxy import behind_proxy
 
 
 def record(i: int, **kw: object) -> RequestRecord:
@@ -57,7 +60,7 @@ def writer_for(url: str, spool: Path, **kw: object) -> TelemetryWriter:
 
 def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None:
     schema.upgrade(db_url)
-    w = writer_for(db_url, tmp_path / "spool.jsonl", step_sample_rate=1.0)
+    w = writer_for(db_url, tmp_path / "spool", step_sample_rate=1.0)
     for i in range(300):
         w.submit(record(i))
     w.submit(record(0))  # the same request id again: still one row
@@ -78,7 +81,7 @@ def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None
 
 def test_spec_steps_are_off_by_default(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
-    w = writer_for(sqlite_url, tmp_path / "spool.jsonl")
+    w = writer_for(sqlite_url, tmp_path / "spool")
     w.submit(record(1))
     w.flush()
     w.close()
@@ -88,7 +91,7 @@ def test_spec_steps_are_off_by_default(sqlite_url: str, tmp_path: Path) -> None:
 def test_database_down_during_a_burst_loses_nothing(pg_url: str, tmp_path: Path) -> None:
     schema.upgrade(pg_url)
     proxy, via_proxy = behind_proxy(pg_url)
-    w = writer_for(via_proxy, tmp_path / "spool.jsonl", batch_size=16)
+    w = writer_for(via_proxy, tmp_path / "spool", batch_size=16)
     for i in range(100):
         w.submit(record(i))
     assert w.flush()
@@ -115,26 +118,29 @@ def test_database_down_during_a_burst_loses_nothing(pg_url: str, tmp_path: Path)
 
 def test_restart_with_a_spool_replays_it(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
-    spool_path = tmp_path / "spool.jsonl"
-    down = writer_for("postgresql+psycopg://nobody@127.0.0.1:1/none", spool_path)  # a closed port
+    spool_dir = tmp_path / "spool"
+    down = writer_for("postgresql+psycopg://nobody@127.0.0.1:1/none", spool_dir)  # a closed port
     for i in range(50):
         down.submit(record(i))
     assert down.flush()
-    down.close()
-    assert len(Spool(spool_path)) == 50 and down.counters.spooled == 50
-    with spool_path.open("a") as f:
+    down.close()  # releases its lock; the file with its rows stays
+    assert down.counters.spooled == 50
+    [left] = spool_dir.glob("spool-*.jsonl")
+    assert sum(1 for _ in left.open()) == 50
+    with left.open("a") as f:
         f.write('{"r": {"request_id": "torn')  # a crash mid-line is skipped, not fatal
-    up = writer_for(sqlite_url, spool_path)  # the next start, with the database reachable
+    up = writer_for(sqlite_url, spool_dir)  # the next start, with the database reachable: adopts it
     deadline = time.monotonic() + 10
-    while not up.spool.empty() and time.monotonic() < deadline:
+    while left.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     up.close()
-    assert count(sqlite_url) == 50 and up.counters.replayed == 50 and up.spool.empty()
+    assert count(sqlite_url) == 50 and up.counters.replayed == 50 and up.counters.adopted == 1
+    assert list(spool_dir.glob("spool-*.jsonl")) == []
 
 
 def test_sqlite_parallel_writers(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
-    writers = [writer_for(sqlite_url, tmp_path / f"spool{i}.jsonl", batch_size=8) for i in range(4)]
+    writers = [writer_for(sqlite_url, tmp_path / f"spool{i}", batch_size=8) for i in range(4)]
 
     def burst(w: TelemetryWriter, base: int) -> None:
         for i in range(200):
@@ -155,28 +161,146 @@ def test_sqlite_parallel_writers(sqlite_url: str, tmp_path: Path) -> None:
 def test_a_full_queue_spills_to_disk_instead_of_dropping(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
     w = TelemetryWriter(
-        schema.make_engine(sqlite_url), Spool(tmp_path / "s.jsonl"), max_queue=5, retry_interval=0.05
+        schema.make_engine(sqlite_url), Spool(tmp_path / "spool"), max_queue=5, retry_interval=0.05
     )
     for i in range(20):  # the writer thread is not started yet: the queue fills
         w.submit(record(i))
-    assert w.counters.spooled == 15 and w.counters.dropped == 0
+    # submit() runs on the event loop: it never touches the disk, the overflow waits in memory.
+    assert w.queue_size() == 20 and w.counters.spooled == 0 and not w.spool.path.exists()
     w.start()
     deadline = time.monotonic() + 10
     while count(sqlite_url) < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
     w.close()
-    assert count(sqlite_url) == 20
+    assert count(sqlite_url) == 20 and w.counters.spooled == 15 and w.counters.dropped == 0
 
 
 def test_spool_failure_is_counted_as_dropped(sqlite_url: str, tmp_path: Path) -> None:
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("a file where the spool's directory should be")
-    w = TelemetryWriter(
-        schema.make_engine("postgresql+psycopg://x@127.0.0.1:1/none"), Spool(tmp_path / "ok.jsonl")
-    )
-    w.spool.path = blocked / "spool.jsonl"
+    w = TelemetryWriter(schema.make_engine("postgresql+psycopg://x@127.0.0.1:1/none"), Spool(tmp_path / "ok"))
+    w.spool.directory, w.spool.path = blocked, blocked / "spool.jsonl"
     w.start()
     w.submit(record(1))
     assert w.flush()
     w.close()
     assert w.counters.dropped == 1
+
+
+def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None:
+    """What once jammed the writer (a lone surrogate, NUL, huge or non-finite numbers, overlong
+    strings, odd JSON) lands, fitted."""
+    schema.upgrade(db_url)
+    w = writer_for(db_url, tmp_path / "spool")
+    rec = record(1, client_request_id="c" * 500)
+    rec.model = "\ud800bad\x00" + "m" * 1000
+    rec.prompt_tokens, rec.completion_tokens = 10**30, -(10**30)
+    rec.queue_ms = float("nan")
+    rec.features = {
+        "x": float("inf"),
+        "\udfff": ["\ud800", 2**70],
+        "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
+    }
+    rec.upstream = {"big": "y" * 200_000}
+    w.submit(rec)
+    assert w.flush()
+    w.close()
+    engine = schema.make_engine(db_url)
+    with engine.connect() as conn:
+        row = conn.execute(select(requests)).mappings().one()
+    engine.dispose()
+    assert w.counters.quarantined == 0 and w.counters.written == 1
+    assert row["model"].startswith("?bad") and len(row["model"]) == 256 and "\x00" not in row["model"]
+    assert len(row["client_request_id"]) == 128
+    assert row["prompt_tokens"] == 2**31 - 1 and row["completion_tokens"] == -(2**31)
+    assert row["queue_ms"] is None and row["features"]["x"] is None
+    assert row["upstream"]["truncated"] is True and row["upstream"]["bytes"] > 64 * 1024
+
+
+def test_a_row_the_database_refuses_is_quarantined_and_never_blocks(db_url: str, tmp_path: Path) -> None:
+    schema.upgrade(db_url)
+    w = writer_for(db_url, tmp_path / "spool", batch_size=50)
+    for i in range(30):
+        rec = record(i)
+        if i == 7:
+            rec.outcome = None  # type: ignore[assignment]  # NOT NULL: no fitting can save it
+        w.submit(rec)
+    assert w.flush()
+    w.close()
+    assert count(db_url) == 29 and w.counters.quarantined == 1 and w.counters.dropped == 0
+    engine = schema.make_engine(db_url)
+    with engine.connect() as conn:
+        q = conn.execute(select(telemetry_quarantine)).mappings().one()
+    engine.dispose()
+    assert q["request_id"] == "req-7" and q["error"] and '"req-7"' in q["row"]
+
+
+def test_a_spool_with_a_bad_row_replays_the_rest(sqlite_url: str, tmp_path: Path) -> None:
+    """The spool once replayed the same failing batch forever, across restarts too."""
+    schema.upgrade(sqlite_url)
+    spool_dir = tmp_path / "spool"
+    dead = Spool(spool_dir)
+    rows = [{"r": request_row(record(i))} for i in range(10)]
+    rows[4]["r"]["received_at"] = None  # NOT NULL
+    dead.append(rows)
+    dead.close()
+    w = writer_for(sqlite_url, spool_dir)
+    deadline = time.monotonic() + 10
+    while count(sqlite_url) < 9 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.close()
+    assert count(sqlite_url) == 9 and w.counters.quarantined == 1 and w.counters.adopted == 1
+    assert count(sqlite_url, telemetry_quarantine) == 1
+
+
+def test_each_process_owns_its_spool_and_takes_over_a_crashed_ones(sqlite_url: str, tmp_path: Path) -> None:
+    schema.upgrade(sqlite_url)
+    spool_dir = tmp_path / "spool"
+    # A live sibling (another process) with rows in its spool: nobody else may touch them.
+    alive = subprocess.Popen(
+        [sys.executable, "-c", _SIBLING, str(spool_dir), "alive", "wait"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert alive.stdout is not None and alive.stdout.readline().strip() == b"ready"
+    # A sibling that crashes after spooling (no close, no cleanup): its lock dies with it.
+    subprocess.run([sys.executable, "-c", _SIBLING, str(spool_dir), "crashed", "crash"], check=False)
+    assert len(list(spool_dir.glob("spool-*.jsonl"))) == 2
+    w = writer_for(sqlite_url, spool_dir)
+    deadline = time.monotonic() + 10
+    while count(sqlite_url) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert count(sqlite_url) == 5 and w.counters.adopted == 1  # the crashed one's rows, not the live one's
+    assert len(list(spool_dir.glob(f"spool-{alive.pid}-*.jsonl"))) == 1  # the live sibling's stays
+    assert alive.stdin is not None
+    alive.stdin.close()  # the sibling exits normally, leaving its rows for the next writer
+    alive.wait(10)
+    w._last_scan = 0.0  # scan again now rather than in ten seconds
+    deadline = time.monotonic() + 10
+    while count(sqlite_url) < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.close()
+    assert count(sqlite_url) == 10 and w.counters.adopted == 2
+    assert list(spool_dir.glob("spool-*.jsonl")) == []
+
+
+# A process that spools five rows, then waits for stdin to close or exits without cleaning up.
+_SIBLING = """
+import os, sys, time
+from gateway.telemetry.spool import Spool
+from gateway.telemetry.rows import request_row
+from gateway.records import RequestRecord
+spool = Spool(sys.argv[1])
+rows = []
+for i in range(5):
+    rec = RequestRecord(f"{sys.argv[2]}-{i}", "chat", "m", time.time(), False, status=200)
+    rec.finish()
+    rows.append({"r": request_row(rec)})
+spool.append(rows)
+if sys.argv[3] == "crash":
+    os._exit(1)
+print("ready", flush=True)
+sys.stdin.read()
+spool.close()
+"""

@@ -1,0 +1,34 @@
+"""A JSON response that can always be encoded.
+
+Text that came from a client or an upstream (a model name, an upstream's answer) may hold lone
+UTF-16 surrogates, which UTF-8 cannot encode: Starlette's JSONResponse would then fail while
+rendering, after the handler had finished. Such bodies fall back to ASCII escapes, which are
+valid JSON for any string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class SafeJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+        except ValueError:  # NaN / Infinity from an upstream: null is the nearest valid JSON
+            return json.dumps(_finite(content), ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
