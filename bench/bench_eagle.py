@@ -16,21 +16,18 @@ import os
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
-from engine.spec.params import SpecParams
-from gateway.cli import default_cache_dir
-from gateway.eagle.data import chat_ids, prompts
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.settings import default_cache_dir
+from specgate.gateway.training.eagle.data import chat_ids, prompts
 
 ARMS: dict[str, SpecParams | None] = {
     "plain": None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -22,14 +21,13 @@ import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from bench.workloads import chat_prompts, round_robin  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import _cache_key, default_model_source  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from gateway.cli import default_cache_dir  # noqa: E402
+from specgate.bench.workloads import chat_prompts, round_robin
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.loader import converted_dir, default_model_source
+from specgate.engine.sampling_params import SamplingParams
+from specgate.gateway.settings import default_cache_dir
 
 
 def run_engine(
@@ -114,7 +112,7 @@ def main() -> None:
     run_engine(engine, [ids[0][:32]], 1, 8)  # warm-up
 
     source = default_model_source()
-    converted = Path(default_cache_dir()) / _cache_key(source.directory / (source.gguf_file or ""))
+    converted = converted_dir(source, default_cache_dir())
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         converted, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", local_files_only=True
     ).eval()

@@ -33,9 +33,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from bench.stub_backend import MODEL, free_port, launch  # noqa: E402
+from specgate.bench.stub_backend import MODEL, free_port, launch
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 ANCHORS = (
@@ -242,7 +241,7 @@ def main() -> None:
         try:
             stub_cmd = [sys.executable, str(ROOT / "bench" / "stub_backend.py"), "--port", str(stub_port)]
             procs.append(launch(stub_cmd, f"{stub}/v1/models"))
-            gw_cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)]
+            gw_cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--config", str(cfg)]
             procs.append(launch(gw_cmd, f"{gateway}/readyz"))
             table = asyncio.run(run(args, {"direct": stub, "specgate": gateway}))
         finally:

@@ -33,12 +33,10 @@ from typing import Any
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.serve import datasets
-from bench.serve.harness import start_local_gateway
-from bench.serve.metrics import RequestResult
-from bench.serve.runner import POLICY, send
+from specgate.bench.serve import datasets
+from specgate.bench.serve.harness import start_local_gateway
+from specgate.bench.serve.metrics import RequestResult
+from specgate.bench.serve.runner import POLICY, send
 
 ADMIN_KEY = "bench-policy-admin"
 LEARNED_ARMS = ("learned", "rules")  # routed by the gateway's policy, not forced

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,14 +29,13 @@ import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from bench.workloads import CATEGORIES, chat_prompts, round_robin  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.spec.params import SpecParams  # noqa: E402
-from gateway.cli import default_cache_dir  # noqa: E402
+from specgate.bench.workloads import CATEGORIES, chat_prompts, round_robin
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.settings import default_cache_dir
 
 ARMS: dict[str, SpecParams | None] = {
     "plain": None,
@@ -215,9 +213,9 @@ def _converted(engine: Engine) -> Path:
     src = engine.runner.source
     if src.gguf_file is None:
         return src.directory
-    from engine.loader import _cache_key
+    from specgate.engine.loader import converted_dir
 
-    return Path(default_cache_dir()) / _cache_key(src.directory / src.gguf_file)
+    return converted_dir(src, default_cache_dir())
 
 
 if __name__ == "__main__":

@@ -10,18 +10,15 @@ per `submit` (what the request path pays) is reported separately.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gateway.records import RequestRecord
-from gateway.telemetry import schema
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.writer import TelemetryWriter
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.spool import Spool
+from specgate.gateway.telemetry.writer import TelemetryWriter
 
 
 def make_record(i: int) -> RequestRecord:

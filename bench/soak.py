@@ -35,9 +35,9 @@ from typing import Any
 
 import httpx
 
-from bench.stub_backend import MODEL as STUB_MODEL
-from bench.stub_backend import free_port, launch
-from bench.tcp_proxy import TcpProxy
+from specgate.bench.stub_backend import MODEL as STUB_MODEL
+from specgate.bench.stub_backend import free_port, launch
+from specgate.bench.tcp_proxy import TcpProxy
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 PROMPTS = [
@@ -109,7 +109,16 @@ def run(args: argparse.Namespace) -> int:
     config.write_text(json.dumps(_config(args, url, stub_port, out)))
     env = {**os.environ, "SPECGATE_DATA_DIR": str(out / "gateway-data")}
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "specgate.gateway.cli.main",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
         env=env,
         cwd=Path(__file__).resolve().parent.parent,
     )
@@ -121,7 +130,18 @@ def run(args: argparse.Namespace) -> int:
         rss: dict[str, int] = {}
         events = asyncio.run(
             _drive(
-                args, base, model, run_id, duration, tally, rss, gateway.pid, proxy, procs, stub_cmd, stub_port
+                args,
+                base,
+                model,
+                run_id,
+                duration,
+                tally,
+                rss,
+                gateway.pid,
+                proxy,
+                procs,
+                stub_cmd,
+                stub_port,
             )
         )
         rows = _rows_written(db_url, run_id, tally.sent)
@@ -350,7 +370,7 @@ def _database(url: str | None, run_id: str, out: Path) -> tuple[str, Any]:
 
 
 def _upgrade(url: str) -> None:
-    from gateway.telemetry import schema
+    from specgate.gateway.telemetry import schema
 
     schema.upgrade(url)
 
@@ -359,8 +379,8 @@ def _rows_written(url: str, run_id: str, sent: int, timeout: float = 120) -> int
     """Rows of this run, once the gateway's writer has caught up (spool replay included)."""
     from sqlalchemy import func, select
 
-    from gateway.telemetry import schema
-    from gateway.telemetry.tables import requests
+    from specgate.gateway.telemetry import schema
+    from specgate.gateway.telemetry.tables import requests
 
     engine = schema.make_engine(url)
     n = -1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from policies import dataset
+from specgate.policies import dataset
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -38,7 +38,7 @@ def chat_prompts(
     tokenizer: Any, per_category: int, max_prompt_tokens: int, categories: list[str] | None = None
 ) -> list[tuple[str, list[int]]]:
     """(category, chat-templated prompt ids), `per_category` prompts of each category that fit."""
-    from gateway.prompting import render_chat
+    from specgate.gateway.backends.embedded.chat_template import render_chat
 
     texts = category_texts()
     prompts: list[tuple[str, list[int]]] = []

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.kv_cache import KVCache
+from specgate.engine.kv_cache import KVCache
 
 ATTENTION_NAME = "specgate_paged"
 

@@ -22,25 +22,22 @@ from dataclasses import dataclass
 
 import torch
 
-import engine.spec.draft_model
-import engine.spec.eagle
-import engine.spec.ngram
-import engine.spec.suffix  # noqa: F401  (registers the built-in proposers)
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
-from engine.model_runner import ForwardItem, ModelRunner
-from engine.outputs import RequestOutput, RequestStats, SpecStats, TokenLogprob
-from engine.sampler import SamplingRow, process_logits, sample, token_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.spec.controller import Candidate, SpecState, choose_k
-from engine.spec.cost_model import CostModel
-from engine.spec.params import SpecParams
-from engine.spec.proposer import Proposal, ProposalRequest, Proposer, ProposerContext, proposer_factory
-from engine.spec.rejection_sampler import verify_greedy, verify_sampled
+from specgate.engine.block_manager import BlockManager
+from specgate.engine.config import EngineConfig
+from specgate.engine.detokenizer import IncrementalDetokenizer
+from specgate.engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
+from specgate.engine.model_runner import ForwardItem, ModelRunner
+from specgate.engine.outputs import RequestOutput, RequestStats, SpecStats, TokenLogprob
+from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.scheduler import ScheduledSequence, Scheduler
+from specgate.engine.sequence import Sequence, SequenceStatus
+from specgate.engine.spec_decode.controller import Candidate, SpecState, choose_k
+from specgate.engine.spec_decode.cost_model import CostModel
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, Proposer, ProposerContext
+from specgate.engine.spec_decode.proposers import proposer_factory
+from specgate.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 
 logger = logging.getLogger("specgate.engine")
 

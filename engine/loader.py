@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.attention import ATTENTION_NAME, register
+from specgate.engine.attention import ATTENTION_NAME, register
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,15 @@ def _cache_key(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
+def converted_dir(source: ModelSource, cache_dir: str | Path) -> Path:
+    """Where a GGUF source's one-off safetensors conversion lives (or will) under `cache_dir`."""
+    assert source.gguf_file is not None
+    return Path(cache_dir) / _cache_key(source.directory / source.gguf_file)
+
+
 def _converted_checkpoint(source: ModelSource, cache_dir: Path) -> Path:
     """Convert a GGUF checkpoint to safetensors once; return the converted directory."""
-    assert source.gguf_file is not None
-    target = cache_dir / _cache_key(source.directory / source.gguf_file)
+    target = converted_dir(source, cache_dir)
     if (target / "config.json").is_file():
         return target
     logger.info("converting %s to safetensors in %s (once)", source.gguf_file, target)

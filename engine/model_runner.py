@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, BatchedGroup, LongChunk
-from engine.config import EngineConfig
-from engine.cpu_linear import pack_linears, packing_supported
-from engine.kv_cache import KVCache
-from engine.loader import load_model, resolve_model
+from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk
+from specgate.engine.config import EngineConfig
+from specgate.engine.cpu_linear import pack_linears, packing_supported
+from specgate.engine.kv_cache import KVCache
+from specgate.engine.loader import load_model, resolve_model
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from specgate.engine.outputs import TokenLogprob
+from specgate.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from specgate.engine.block_manager import BlockManager
+from specgate.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

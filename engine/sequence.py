@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestStats, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.spec.controller import SpecState
+from specgate.engine.detokenizer import IncrementalDetokenizer
+from specgate.engine.outputs import RequestStats, TokenLogprob
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.controller import SpecState
 
 
 class SequenceStatus(enum.Enum):

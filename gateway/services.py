@@ -12,18 +12,18 @@ from typing import Any
 
 import httpx2
 
-from gateway.auth import RateLimiter, RefusalBudget
-from gateway.metrics import Metrics
-from gateway.policy_manager import PolicyManager
-from gateway.policy_router import PolicyRouter
-from gateway.records import MemorySink, RecordSink, RequestRecord, settle
-from gateway.registry import BackendRegistry
-from gateway.routing import Router, StaticRouter
-from gateway.settings import Settings
-from gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
-from gateway.telemetry.store import TelemetryStore
-from policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
-from policies.load import BackendLoad, LoadSignals
+from specgate.gateway.backends.registry import BackendRegistry
+from specgate.gateway.http.auth import RateLimiter, RefusalBudget
+from specgate.gateway.routing.policy_manager import PolicyManager
+from specgate.gateway.routing.policy_router import PolicyRouter
+from specgate.gateway.routing.static import Router, StaticRouter
+from specgate.gateway.settings import Settings
+from specgate.gateway.telemetry.metrics import Metrics
+from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
+from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord, settle
+from specgate.gateway.telemetry.store import TelemetryStore
+from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
+from specgate.policies.load import BackendLoad, LoadSignals
 
 logger = logging.getLogger("specgate.gateway")
 

@@ -6,6 +6,7 @@ Pydantic lives here because this is an edge: operators write these values by han
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -230,3 +231,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
     return data
+
+
+def default_cache_dir() -> str:
+    """Where converted model checkpoints are kept: $SPECGATE_CACHE_DIR, else the user cache."""
+    from platformdirs import user_cache_dir
+
+    return os.environ.get("SPECGATE_CACHE_DIR") or str(Path(user_cache_dir("specgate")) / "models")

@@ -7,7 +7,7 @@ import os
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from gateway.telemetry.tables import metadata
+from specgate.gateway.telemetry.tables import metadata
 
 config = context.config
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.classes import CLASS_INDEX, WORKLOAD_CLASSES
-from policies.features import structural
-from policies.request import RequestInfo
-from policies.text_model import LinearTextModel
+from specgate.policies.classes import CLASS_INDEX, WORKLOAD_CLASSES
+from specgate.policies.features import structural
+from specgate.policies.request import RequestInfo
+from specgate.policies.text_model import LinearTextModel
 
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "data" / "workload_classifier.npz"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.classes import CLASS_INDEX, WORKLOAD_CLASSES
-from policies.classifier import WorkloadClassifier
-from policies.features import structural
-from policies.request import RequestInfo
-from policies.text_model import LinearTextModel
+from specgate.policies.classes import CLASS_INDEX, WORKLOAD_CLASSES
+from specgate.policies.classifier import WorkloadClassifier
+from specgate.policies.features import structural
+from specgate.policies.request import RequestInfo
+from specgate.policies.text_model import LinearTextModel
 
 
 def row_info(row: dict) -> RequestInfo:

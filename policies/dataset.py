@@ -16,8 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from policies import synthetic
-from policies.classes import check_class
+from specgate.policies import synthetic
+from specgate.policies.classes import check_class
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_DATASET = DATA_DIR / "workload_prompts.jsonl.gz"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from policies.arms import Arm
-from policies.load import LoadSignals
+from specgate.policies.arms import Arm
+from specgate.policies.load import LoadSignals
 
 
 @dataclass(slots=True)

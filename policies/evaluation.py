@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.arms import Arm
-from policies.classes import WORKLOAD_CLASSES
-from policies.decision import DecisionContext, Policy
-from policies.goodput import GoodputModel, TrainingRow, vector
-from policies.load import LoadSignals
+from specgate.policies.arms import Arm
+from specgate.policies.classes import WORKLOAD_CLASSES
+from specgate.policies.decision import DecisionContext, Policy
+from specgate.policies.goodput import GoodputModel, TrainingRow, vector
+from specgate.policies.load import LoadSignals
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 
-from policies.classes import WORKLOAD_CLASSES
-from policies.request import RequestInfo
+from specgate.policies.classes import WORKLOAD_CLASSES
+from specgate.policies.request import RequestInfo
 
 COPY_CHARS = 4000  # prompt slice the copyability estimate reads
 _WORD = re.compile(r"\w+|[^\w\s]")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.classes import WORKLOAD_CLASSES
+from specgate.policies.classes import WORKLOAD_CLASSES
 
 REQUEST_FEATURES = (
     *(f"p_{c}" for c in WORKLOAD_CLASSES),

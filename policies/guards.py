@@ -3,9 +3,9 @@ speculation under a large batch."""
 
 from __future__ import annotations
 
-from policies.arms import Arm
-from policies.decision import DecisionContext
-from policies.rules import RuleConfig
+from specgate.policies.arms import Arm
+from specgate.policies.decision import DecisionContext
+from specgate.policies.rules import RuleConfig
 
 
 def large_batch(ctx: DecisionContext, rules: RuleConfig) -> bool:

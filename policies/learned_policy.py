@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 
-from policies.decision import Decision, DecisionContext
-from policies.exploration import ExplorationBudget
-from policies.goodput import GoodputModel, vector
-from policies.guards import safe_arms
-from policies.rule_policy import RulePolicy
-from policies.rules import RuleConfig
+from specgate.policies.decision import Decision, DecisionContext
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.goodput import GoodputModel, vector
+from specgate.policies.guards import safe_arms
+from specgate.policies.rule_policy import RulePolicy
+from specgate.policies.rules import RuleConfig
 
 
 class LearnedPolicy:

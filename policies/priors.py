@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.arms import Arm
-from policies.goodput import TrainingRow
+from specgate.policies.arms import Arm
+from specgate.policies.goodput import TrainingRow
 
 DEFAULT_PRIOR = 0.6  # the engine's own default
 PSEUDO_TOKENS = 64  # drafted tokens' worth of weight on the default

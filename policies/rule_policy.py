@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
-from policies.arms import OFF, Arm
-from policies.decision import Decision, DecisionContext
-from policies.exploration import ExplorationBudget
-from policies.guards import safe_arms
-from policies.rules import RuleConfig
+from specgate.policies.arms import OFF, Arm
+from specgate.policies.decision import Decision, DecisionContext
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.guards import safe_arms
+from specgate.policies.rules import RuleConfig
 
 
 class RulePolicy:

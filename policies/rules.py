@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.arms import OFF, UPSTREAM
-from policies.classes import WORKLOAD_CLASSES, check_class
+from specgate.policies.arms import OFF, UPSTREAM
+from specgate.policies.classes import WORKLOAD_CLASSES, check_class
 
 CONTROLLERS = ("goodput", "static", "heuristic")
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.decision import Policy
-from policies.exploration import ExplorationBudget
-from policies.goodput import GoodputModel
-from policies.learned_policy import LearnedPolicy
-from policies.rule_policy import RulePolicy
-from policies.rules import RuleConfig
+from specgate.policies.decision import Policy
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.goodput import GoodputModel
+from specgate.policies.learned_policy import LearnedPolicy
+from specgate.policies.rule_policy import RulePolicy
+from specgate.policies.rules import RuleConfig
 
 
 @dataclass(slots=True)

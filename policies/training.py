@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.evaluation import ReplayResult, prediction_error, replay
-from policies.exploration import ExplorationBudget
-from policies.goodput import GoodputModel, TrainingRow
-from policies.priors import acceptance_priors
-from policies.rules import RuleConfig
-from policies.state import PolicyState
+from specgate.policies.evaluation import ReplayResult, prediction_error, replay
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.goodput import GoodputModel, TrainingRow
+from specgate.policies.priors import acceptance_priors
+from specgate.policies.rules import RuleConfig
+from specgate.policies.state import PolicyState
 
 
 class InsufficientData(ValueError):

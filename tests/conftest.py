@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import Engine
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
 
 EOS = "<eos>"
 VOCAB_SIZE = 96  # 95 printable ASCII characters + <eos>
@@ -108,8 +108,8 @@ def tiny_draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="session")
 def tiny_eagle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random EAGLE head for the tiny Llama, saved in the published EAGLE-1 layout."""
-    from engine.spec.eagle_head import EagleConfig, EagleHead
-    from engine.spec.eagle_io import save_head
+    from specgate.engine.spec_decode.eagle_head import EagleConfig, EagleHead
+    from specgate.engine.spec_decode.eagle_io import save_head
 
     torch.manual_seed(3)
     head = EagleHead(EagleConfig.for_target(LlamaConfig(**tiny_config_kwargs())))

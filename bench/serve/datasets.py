@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.workloads import DATA, category_texts
+from specgate.bench.workloads import DATA, category_texts
 
 CATEGORIES = ["code", "summarization", "rag", "qa", "translation", "math_reasoning", "open_chat", "tool_call"]
 

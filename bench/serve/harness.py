@@ -18,9 +18,9 @@ import httpx
 import openai
 from tqdm import tqdm
 
-from bench.serve import arrivals, datasets, report
-from bench.serve.metrics import RequestResult, spec_summary, summarize
-from bench.serve.runner import POLICY, closed_loop, open_loop, send
+from specgate.bench.serve import arrivals, datasets, report
+from specgate.bench.serve.metrics import RequestResult, spec_summary, summarize
+from specgate.bench.serve.runner import POLICY, closed_loop, open_loop, send
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,18 +44,18 @@ def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(port)]
     for flag in ("model", "dtype", "threads"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]
     env = {**os.environ, "SPECGATE_DATA_DIR": str((out / "gateway-data").resolve())}
-    log = (out / "gateway.log").open("wb")
+    log = (out / "specgate.gateway.log").open("wb")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the gateway exited; see {out / 'gateway.log'}")
+            raise RuntimeError(f"the gateway exited; see {out / 'specgate.gateway.log'}")
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return server, url
@@ -165,7 +165,7 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
         ],
     }
     if args.hf_baselines and local:
-        from bench.serve.hf_baselines import hf_rows
+        from specgate.bench.serve.hf_baselines import hf_rows
 
         rep["hf_baselines"] = hf_rows(args, reqs)
     if local:

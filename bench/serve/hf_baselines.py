@@ -11,18 +11,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve.datasets import BenchRequest
+from specgate.bench.serve.datasets import BenchRequest
 
 
 def _model_dir(model: str | None) -> tuple[Path, Any]:
     """The directory of the model the gateway serves (the cached safetensors of a GGUF default)."""
-    from engine.loader import _cache_key, resolve_model
-    from gateway.cli import default_cache_dir
+    from specgate.engine.loader import converted_dir, resolve_model
+    from specgate.gateway.settings import default_cache_dir
 
     src = resolve_model(model)
     if src.gguf_file is None:
         return src.directory, None
-    path = Path(default_cache_dir()) / _cache_key(src.directory / src.gguf_file)
+    path = converted_dir(src, default_cache_dir())
     if not path.exists():
         raise RuntimeError(f"no converted checkpoint at {path}; start the gateway once to create it")
     return path, src
@@ -32,7 +32,7 @@ def hf_rows(args: argparse.Namespace, reqs: list[BenchRequest]) -> list[dict[str
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.config import EngineConfig
+    from specgate.engine.config import EngineConfig
 
     path, _ = _model_dir(args.model)
     dtype = EngineConfig(dtype=args.dtype or "auto", device="cpu").torch_dtype

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.serve.datasets import CATEGORIES
+from specgate.bench.serve.datasets import CATEGORIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import openai
 
-from bench.serve.datasets import BenchRequest
-from bench.serve.metrics import RequestResult
+from specgate.bench.serve.datasets import BenchRequest
+from specgate.bench.serve.metrics import RequestResult
 
 # An arm is how requests ask to be served: "policy" leaves speculation to the gateway's router;
 # anything else forces it through specgate's `spec` extension ("plain" turns it off).

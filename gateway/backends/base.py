@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.settings import SpecSettings
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.settings import SpecSettings
 
 Kind = Literal["chat", "completion"]
 

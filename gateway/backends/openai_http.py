@@ -26,10 +26,10 @@ from typing import Any
 
 import httpx2
 
-from gateway.backends.base import BackendCall, BackendError
-from gateway.backends.breaker import CLOSED, CircuitBreaker
-from gateway.backends.upstream_stats import capture
-from gateway.settings import BackendSettings
+from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
+from specgate.gateway.backends.upstream_stats import capture
+from specgate.gateway.settings import BackendSettings
 
 logger = logging.getLogger("specgate.backend")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.backends.base import Observation
+from specgate.gateway.backends.base import Observation
 
 _KEYS = ("metrics", "meta_info", "timings")
 MAX_COUNT = 2**31 - 1

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine, insert, select, update
 
-from gateway.telemetry.tables import policy_versions, requests
-from policies.goodput import TrainingRow
+from specgate.gateway.telemetry.tables import policy_versions, requests
+from specgate.policies.goodput import TrainingRow
 
 Version = dict[str, Any]
 

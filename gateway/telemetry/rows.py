@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from gateway.records import RequestRecord
+from specgate.gateway.telemetry.records import RequestRecord
 
 TIME_COLUMNS = ("received_at", "first_token_at", "finished_at")
 

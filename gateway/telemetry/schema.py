@@ -66,7 +66,7 @@ def make_engine(
 
 
 def alembic_config(url: str) -> Config:
-    import migrations
+    import specgate.migrations as migrations
 
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))

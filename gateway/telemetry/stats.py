@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Float, and_, case, cast, func, select
 
-from gateway.telemetry.tables import requests
+from specgate.gateway.telemetry.tables import requests
 
 r = requests.c
 

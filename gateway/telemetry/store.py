@@ -6,17 +6,17 @@ import asyncio
 import hashlib
 from pathlib import Path
 
-from gateway.records import RequestRecord
-from gateway.settings import TelemetrySettings
-from gateway.telemetry.schema import (
+from specgate.gateway.settings import TelemetrySettings
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.schema import (
     SchemaOutdatedError,
     default_data_dir,
     default_url,
     ensure_schema,
     make_engine,
 )
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.writer import TelemetryWriter
+from specgate.gateway.telemetry.spool import Spool
+from specgate.gateway.telemetry.writer import TelemetryWriter
 
 
 class TelemetryStore:

@@ -36,11 +36,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from gateway.records import RequestRecord
-from gateway.telemetry.fit import clean_text, fit_row
-from gateway.telemetry.rows import request_row, step_rows, to_sql
-from gateway.telemetry.spool import Orphan, Spool, write_all
-from gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
+from specgate.gateway.telemetry.fit import clean_text, fit_row
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql
+from specgate.gateway.telemetry.spool import Orphan, Spool, write_all
+from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 
 logger = logging.getLogger("specgate.telemetry")
 _WAKE: dict[str, Any] = {}  # put on the queue by close() to wake the thread; never written

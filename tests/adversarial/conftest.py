@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from gateway.telemetry import schema
-from gateway.telemetry.tables import requests
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
 ADMIN = "adm-fuzz"

@@ -1,9 +1,9 @@
 """Property-based fuzzing of /v1 and /admin from the gateway's own OpenAPI schema.
 
-Bodies are drawn by schemathesis from the published request schemas (so most of them reach the engine, not only
-the validator), then some are mutated with hostile values. Whatever comes in: never a 500 (5xx only
-502 / 503 / 504), OpenAI-shaped errors, the engine alive, /metrics answering, and exactly one
-telemetry row per /v1 request. `max_tokens` is capped so the examples stay quick.
+Bodies are drawn by schemathesis from the published request schemas (so most of them reach the
+engine, not only the validator), then some are mutated with hostile values. Whatever comes in:
+never a 500 (5xx only 502 / 503 / 504), OpenAI-shaped errors, the engine alive, /metrics
+answering, and exactly one telemetry row per /v1 request. `max_tokens` is capped so the examples stay quick.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import schemathesis
 
 from tests.adversarial.conftest import ADMIN, assert_openai_error, assert_whole, rows_for, send
 from tests.gateway.live import LiveGateway

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from specgate.gateway.cli.main import main
 
 pytestmark = pytest.mark.timeout(300)
 

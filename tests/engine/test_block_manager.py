@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, blocks_for
-from engine.outputs import RequestStats
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from specgate.engine.block_manager import BlockManager, blocks_for
+from specgate.engine.outputs import RequestStats
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.sequence import Sequence
 
 
 def make_seq(num_tokens: int = 1, request_id: str = "r") -> Sequence:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
-from engine.spec.params import SpecParams
-from gateway.prompting import render_chat
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.backends.embedded.chat_template import render_chat
 
 pytestmark = pytest.mark.slow
 

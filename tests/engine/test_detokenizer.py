@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from specgate.engine.detokenizer import IncrementalDetokenizer
+from specgate.engine.engine import Engine
+from specgate.engine.sampling_params import SamplingParams
 from tests.conftest import build_tokenizer
 
 TOKENIZER = build_tokenizer()

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engine.engine import Engine
-from engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from specgate.engine.engine import Engine
+from specgate.engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
+from specgate.engine.outputs import RequestOutput
+from specgate.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -223,7 +223,7 @@ def test_logprobs_are_the_model_log_softmax(make_engine: Callable[..., Engine], 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_engines_track_float32_logits(make_engine: Callable[..., Engine], dtype: str) -> None:
-    from engine.model_runner import ForwardItem
+    from specgate.engine.model_runner import ForwardItem
 
     prompt = prompts([30], seed=8)[0]
     ref = make_engine().runner.execute([ForwardItem(prompt, 0, list(range(8)), 4)])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import ModelNotFoundError, resolve_model
+from specgate.engine.loader import ModelNotFoundError, resolve_model
 
 
 def test_hf_directory(tiny_llama_dir: Path) -> None:

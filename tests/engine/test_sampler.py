@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampler import SamplingRow, process_logits, sample, token_logprobs
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
+from specgate.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 96
 NEG_INF = float("-inf")

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager, blocks_for
-from engine.outputs import RequestStats
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from specgate.engine.block_manager import BlockManager, blocks_for
+from specgate.engine.outputs import RequestStats
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.scheduler import ScheduledSequence, Scheduler
+from specgate.engine.sequence import Sequence, SequenceStatus
 
 
 def make_seq(request_id: str, prompt_len: int) -> Sequence:

@@ -31,7 +31,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.settings import BackendSettings, Settings
+from specgate.gateway.settings import BackendSettings, Settings
 from tests.gateway.live import LiveGateway, start_gateway
 
 PROMPT_TOKENS = 7

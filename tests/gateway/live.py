@@ -12,9 +12,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.app import create_app
-from gateway.services import Services
-from gateway.settings import Settings
+from specgate.gateway.http.app import create_app
+from specgate.gateway.services import Services
+from specgate.gateway.settings import Settings
 
 
 def free_port() -> int:

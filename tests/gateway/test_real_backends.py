@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from engine.loader import default_model_source
-from gateway.settings import ModelRoute
+from specgate.engine.loader import default_model_source
+from specgate.gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, backend, metric_value, openai_client, running_gateway
 from tests.gateway.live import LiveGateway, free_port, start_gateway, tiny_settings, wait_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import Settings
+from specgate.gateway.settings import Settings
 
 
 def test_defaults_serve_the_embedded_model_with_dynamic_ngram() -> None:

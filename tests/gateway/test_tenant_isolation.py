@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.auth import key_id
-from gateway.backends import embedded as embedded_module
+from specgate.gateway.backends.embedded import backend as embedded_module
+from specgate.gateway.http.auth import key_id
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
 PROMPT = [{"role": "user", "content": "abcabcabcabc"}]

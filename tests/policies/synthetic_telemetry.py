@@ -7,8 +7,8 @@ import math
 import random
 from typing import Any
 
-from policies.classes import WORKLOAD_CLASSES
-from policies.goodput import TrainingRow
+from specgate.policies.classes import WORKLOAD_CLASSES
+from specgate.policies.goodput import TrainingRow
 
 BASE_TPS = 20.0
 NGRAM_GAIN = {"code": 2.0, "open_chat": 0.5}
@@ -78,7 +78,7 @@ def insert(engine: Any, n: int, seed: int, max_running: int = 8) -> None:
 
     from sqlalchemy import insert as sql_insert
 
-    from gateway.telemetry.tables import requests
+    from specgate.gateway.telemetry.tables import requests
 
     now = time.time()
     with engine.begin() as conn:

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies import dataset
-from policies.classes import WORKLOAD_CLASSES
-from policies.classifier import WorkloadClassifier
-from policies.classifier_training import evaluate, fit, row_info, split_by_group
-from policies.features import structural
-from policies.request import HEAD_CHARS, TAIL_CHARS, RequestInfo
-from policies.text_model import LinearTextModel
+from specgate.policies import dataset
+from specgate.policies.classes import WORKLOAD_CLASSES
+from specgate.policies.classifier import WorkloadClassifier
+from specgate.policies.classifier_training import evaluate, fit, row_info, split_by_group
+from specgate.policies.features import structural
+from specgate.policies.request import HEAD_CHARS, TAIL_CHARS, RequestInfo
+from specgate.policies.text_model import LinearTextModel
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_fast_path_reproduces_the_sklearn_pipeline(rows: list[dict]) -> None:
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
-    from policies.text_model import ANALYZERS
+    from specgate.policies.text_model import ANALYZERS
 
     sample = rows[::7]
     infos = [row_info(r) for r in sample]

@@ -2,15 +2,15 @@ import random
 
 import pytest
 
-from policies.arms import Arm
-from policies.decision import DecisionContext
-from policies.exploration import ExplorationBudget
-from policies.goodput import GoodputModel, vector
-from policies.learned_policy import LearnedPolicy
-from policies.load import LoadSignals
-from policies.rules import RuleConfig
-from policies.state import PolicyState
-from policies.training import InsufficientData, retrain
+from specgate.policies.arms import Arm
+from specgate.policies.decision import DecisionContext
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.goodput import GoodputModel, vector
+from specgate.policies.learned_policy import LearnedPolicy
+from specgate.policies.load import LoadSignals
+from specgate.policies.rules import RuleConfig
+from specgate.policies.state import PolicyState
+from specgate.policies.training import InsufficientData, retrain
 from tests.policies import synthetic_telemetry as synth
 
 ARMS = [Arm("embedded", "off"), Arm("embedded", "ngram")]

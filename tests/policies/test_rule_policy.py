@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from policies.arms import Arm
-from policies.decision import DecisionContext
-from policies.exploration import ExplorationBudget
-from policies.load import BackendLoad, LoadSignals
-from policies.rule_policy import RulePolicy
-from policies.rules import RuleConfig
+from specgate.policies.arms import Arm
+from specgate.policies.decision import DecisionContext
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.load import BackendLoad, LoadSignals
+from specgate.policies.rule_policy import RulePolicy
+from specgate.policies.rules import RuleConfig
 
 EMBEDDED = [Arm("embedded", "off"), Arm("embedded", "ngram"), Arm("embedded", "suffix")]
 

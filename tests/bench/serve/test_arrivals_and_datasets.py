@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench.serve import arrivals, datasets
+from specgate.bench.serve import arrivals, datasets
 
 
 def test_poisson_and_gamma_rates() -> None:

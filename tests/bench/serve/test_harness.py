@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.cli import main
+from specgate.gateway.cli.main import main
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # The tiny model holds 512 one-character tokens: short prompts of three categories.

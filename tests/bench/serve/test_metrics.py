@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve.metrics import RequestResult, distribution, percentile, summarize
+from specgate.bench.serve.metrics import RequestResult, distribution, percentile, summarize
 
 
 def stream(

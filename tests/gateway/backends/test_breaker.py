@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from specgate.gateway.backends.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 class FakeClock:

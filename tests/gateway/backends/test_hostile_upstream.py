@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.settings import ModelRoute
+from specgate.gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, FakeUpstream, Reply, backend, running_gateway
 from tests.gateway.live import LiveGateway
 
@@ -137,9 +137,9 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
 
     import httpx2
 
-    from gateway.backends.base import BackendCall, BackendError
-    from gateway.backends.openai_http import OpenAIBackend
-    from gateway.schemas import ChatCompletionRequest
+    from specgate.gateway.backends.base import BackendCall, BackendError
+    from specgate.gateway.backends.openai_http import OpenAIBackend
+    from specgate.gateway.protocol.schemas import ChatCompletionRequest
 
     async def run() -> tuple[int, int]:
         client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1))

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engine.outputs import RequestStats, SpecStats
-from gateway.backends.base import Observation
-from gateway.backends.upstream_stats import capture, spec_from_upstream
-from gateway.openai_format import metrics_from_stats
+from specgate.engine.outputs import RequestStats, SpecStats
+from specgate.gateway.backends.base import Observation
+from specgate.gateway.backends.upstream_stats import capture, spec_from_upstream
+from specgate.gateway.protocol.openai_format import metrics_from_stats
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 32, "total_tokens": 44, "prompt_tokens_details": None}
 

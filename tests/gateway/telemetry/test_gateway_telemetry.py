@@ -10,11 +10,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from gateway.cli import main
-from gateway.telemetry import schema
-from gateway.telemetry.tables import requests
+from specgate.bench.tcp_proxy import behind_proxy
+from specgate.gateway.cli.main import main
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import start_gateway, tiny_settings
-from bench.tcp_proxy import behind_proxy
 
 
 def rows(url: str) -> dict[str, dict]:

@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from gateway.telemetry import schema
-from gateway.telemetry.tables import metadata
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.tables import metadata
 
 VIEWS = {"v_acceptance_by_class", "v_route_performance", "v_recent_errors"}
 
@@ -106,7 +106,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
 
 def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
-    run = [sys.executable, "-m", "gateway.cli", "db"]
+    run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
     assert "current: 0003" in out.stdout
     out = subprocess.run(

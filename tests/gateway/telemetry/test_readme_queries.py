@@ -7,9 +7,9 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from gateway.telemetry import schema
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.writer import TelemetryWriter
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.spool import Spool
+from specgate.gateway.telemetry.writer import TelemetryWriter
 from tests.gateway.telemetry.test_writer import record
 
 README = Path(__file__).resolve().parents[3] / "README.md"

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from gateway.records import RequestRecord
-from gateway.telemetry import schema
-from gateway.telemetry.rows import request_row
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
-from gateway.telemetry.writer import TelemetryWriter
-from bench.tcp_proxy import behind_proxy
+from specgate.bench.tcp_proxy import behind_proxy
+from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.rows import request_row
+from specgate.gateway.telemetry.spool import Spool
+from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
+from specgate.gateway.telemetry.writer import TelemetryWriter
 
 
 def record(i: int, **kw: object) -> RequestRecord:
@@ -288,9 +288,9 @@ def test_each_process_owns_its_spool_and_takes_over_a_crashed_ones(sqlite_url: s
 # A process that spools five rows, then waits for stdin to close or exits without cleaning up.
 _SIBLING = """
 import os, sys, time
-from gateway.telemetry.spool import Spool
-from gateway.telemetry.rows import request_row
-from gateway.records import RequestRecord
+from specgate.gateway.telemetry.spool import Spool
+from specgate.gateway.telemetry.rows import request_row
+from specgate.gateway.telemetry.records import RequestRecord
 spool = Spool(sys.argv[1])
 rows = []
 for i in range(5):

@@ -1,0 +1,384 @@
+"""The embedded engine as a backend: OpenAI requests in, engine requests out, and back again."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.loader import resolve_model
+from specgate.engine.outputs import RequestOutput, TokenLogprob
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.spec_decode.proposers import proposer_factory, proposer_names
+from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
+from specgate.gateway.backends.embedded.tools import ToolCallParser
+from specgate.gateway.backends.embedded.worker import EngineUnavailable, EngineWorker
+from specgate.gateway.protocol import openai_format as fmt
+from specgate.gateway.settings import EmbeddedSettings
+
+logger = logging.getLogger("specgate.embedded")
+TOKENIZE_OFF_LOOP_CHARS = 8192  # longer prompts are tokenized in a worker thread
+
+
+class EmbeddedBackend:
+    def __init__(self, settings: EmbeddedSettings, cache_dir: str | None = None) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self._cache_dir = settings.convert_cache_dir or cache_dir
+        source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
+        self.served_name = settings.served_model_name or source.name
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+        self.restarts = 0  # engine threads replaced after they ended on their own
+        self._loading: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
+        self._ids = itertools.count()
+        self._token_text: Callable[[int], str] = str  # the engine's per-token text, once it is loaded
+        # Speculation methods this engine can run (a draft model or an EAGLE head may be missing).
+        self.methods: list[str] = []
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.worker.engine if self.worker is not None else None
+
+    def model_ids(self) -> list[str]:
+        return [self.served_name, *self.settings.aliases]
+
+    @property
+    def healthy(self) -> bool:
+        return self.worker is not None and self.worker.ready
+
+    def status(self) -> dict[str, Any]:
+        w = self.worker
+        if w is not None:
+            state = w.state if w.alive else "restarting"
+        else:
+            state = "failed" if self.load_error else "loading"
+        out: dict[str, Any] = {"state": state, "healthy": self.healthy}
+        if self.load_error:
+            out["error"] = self.load_error
+        if w is not None:
+            out["num_waiting"] = w.num_waiting
+            out["num_running"] = w.load.num_running
+            out["rebuilds"] = w.rebuilds + self.restarts
+            if w.last_error:
+                out["last_error"] = w.last_error
+        return out
+
+    async def start(self) -> None:
+        """Loads the model in a thread; requests get 503 until it is ready."""
+        self._loading = asyncio.create_task(self._load())
+
+    def _config(self) -> EngineConfig:
+        s = self.settings
+        return EngineConfig(
+            model=s.model,
+            gguf_file=s.gguf_file,
+            dtype=s.dtype,
+            device=s.device,
+            num_threads=s.threads,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            kv_cache_bytes=s.kv_cache_bytes,
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            max_model_len=s.max_model_len,
+            convert_cache_dir=self._cache_dir,
+            seed=s.seed,
+            proposer_options=s.proposer_options,
+        )
+
+    def _build(self) -> Engine:
+        """A fresh engine (first load, and every rebuild after the old one broke)."""
+        return Engine(self._config())
+
+    async def _load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self._build)
+            self.methods = await asyncio.to_thread(_buildable_methods, engine)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("embedded engine failed to load")
+            return
+        # One cache for the backend's life: logprobs name the same tokens request after request.
+        tokenizer = engine.tokenizer
+        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
+        self.worker = self._worker(engine)
+        self._watchdog = asyncio.create_task(self._watch())
+        cfg = engine.config
+        logger.info("embedded engine ready: %s (%s on %s)", self.served_name, cfg.dtype, cfg.device)
+
+    def _worker(self, engine: Engine) -> EngineWorker:
+        worker = EngineWorker(engine, asyncio.get_running_loop(), self._build)
+        worker.start()
+        return worker
+
+    async def _watch(self, interval: float = 0.5) -> None:
+        """If the engine thread ever ends on its own, fail its waiters (retryable) and start another."""
+        while not self._closing:
+            await asyncio.sleep(interval)
+            w = self.worker
+            if w is None or w.alive or self._closing:
+                continue
+            logger.error("the embedded engine thread ended; starting a new one")
+            w.fail_waiters(EngineUnavailable("the embedded engine restarted"))
+            try:
+                engine = await asyncio.to_thread(self._build)
+            except Exception as exc:
+                self.load_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("restarting the embedded engine failed")
+                continue
+            self.load_error = None
+            self.restarts += 1
+            self.worker = self._worker(engine)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._loading is not None and not self._loading.done():
+            await asyncio.wait([self._loading])
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
+
+    # ---- serving ------------------------------------------------------------------------------
+
+    def _ready_worker(self) -> EngineWorker:
+        w = self.worker
+        if w is None or not w.ready:
+            if w is not None:
+                msg = "the embedded engine is restarting after a failure"
+            elif self.load_error is None:
+                msg = "the embedded model is still loading"
+            else:
+                msg = "the embedded model failed to load"
+            raise BackendError(503, msg, code="model_not_ready", retryable=True, retry_after=2)
+        if w.num_waiting >= self.settings.max_waiting:
+            raise BackendError(
+                503, "the embedded engine is overloaded", code="overloaded", retryable=True, retry_after=1
+            )
+        return w
+
+    async def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
+        worker = self._ready_worker()
+        engine = worker.engine
+        if prompt_chars(call.request) > TOKENIZE_OFF_LOOP_CHARS:
+            prep = await asyncio.to_thread(prepare, call, engine)  # a long prompt: tokenize off the loop
+            worker = self._ready_worker()
+        else:
+            prep = prepare(call, engine)
+        spec = self._spec_params(call)
+        call.observed.prompt_tokens = len(prep.prompt_ids)
+        call.engine_id = f"{call.request_id}#{next(self._ids)}"
+        return prep, worker.submit(call.engine_id, prep.prompt_ids, prep.params, spec, call.cache_scope)
+
+    @staticmethod
+    def _spec_params(call: BackendCall) -> SpecParams | None:
+        s = call.spec
+        if s is None or s.method == "off":
+            return None
+        try:
+            proposer_factory(s.method)
+        except ValueError as exc:
+            raise BackendError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
+        params = SpecParams(s.method, s.controller, s.k_min, s.k_max, s.num_speculative_tokens)
+        if s.acceptance_prior is not None:
+            params.acceptance_prior = s.acceptance_prior
+        return params
+
+    async def _outputs(self, call: BackendCall, q: asyncio.Queue[Any]) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, EngineUnavailable):
+                    finished = True
+                    raise BackendError(
+                        503, str(item), code="engine_restarting", retryable=True, retry_after=2
+                    )
+                if isinstance(item, BaseException):
+                    finished = True
+                    status = 400 if isinstance(item, ValueError) else 500
+                    code = getattr(item, "code", "engine_error")
+                    raise BackendError(status, str(item), code=code)
+                if item.error is not None:
+                    finished = True
+                    raise BackendError(
+                        500, f"the engine failed this request: {item.error}", code="engine_error"
+                    )
+                if call.observed.first_token_time is None and item.new_token_ids:
+                    call.observed.first_token_time = time.time()
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.worker is not None:
+                self.worker.abort(call.engine_id)  # client gone or cancelled: free the KV blocks now
+
+    def _observe_final(self, call: BackendCall, out: RequestOutput) -> None:
+        obs = call.observed
+        obs.finish_reason = out.finish_reason
+        obs.completion_tokens = out.stats.num_output_tokens
+        obs.queue_time = out.stats.queue_time
+        obs.spec = fmt.spec_decoding(out.stats)
+        st = out.stats.spec
+        if st is not None:
+            obs.spec_steps = list(
+                zip(
+                    st.per_step_drafted,
+                    st.per_step_accepted,
+                    st.per_step_batch_tokens,
+                    st.per_step_ms,
+                    strict=True,
+                )
+            )
+
+    async def complete(self, call: BackendCall) -> dict[str, Any]:
+        prep, q = await self._submit(call)
+        text, lps, final = [], [], None
+        async for out in self._outputs(call, q):
+            text.append(out.new_text)
+            lps.extend(out.logprobs or [])
+            final = out
+        assert final is not None
+        self._observe_final(call, final)
+        use = fmt.usage(len(prep.prompt_ids), final.stats.num_output_tokens)
+        body = self._final_body(call, prep, "".join(text), lps, final.finish_reason, use)
+        body["metrics"] = fmt.metrics_from_stats(final.stats, call.route)
+        return body
+
+    def _final_body(
+        self,
+        call: BackendCall,
+        prep: Prepared,
+        text: str,
+        lps: list[TokenLogprob],
+        finish: str | None,
+        use: dict[str, int],
+    ) -> dict[str, Any]:
+        rid, model, text_of = prep.response_id, call.model, self._token_text
+        if call.kind == "completion":
+            logprobs = None
+            if prep.logprobs is not None:
+                logprobs = fmt.completion_logprobs(lps, text_of, prep.logprobs, len(prep.echo))
+            return fmt.completion_response(rid, call.created, model, prep.echo + text, finish, use, logprobs)
+        message = chat_message(text, prep.tools)
+        if "tool_calls" in message:
+            finish = "tool_calls"
+        logprobs = fmt.chat_logprobs(lps, text_of, prep.logprobs) if prep.logprobs is not None else None
+        return fmt.chat_response(rid, call.created, model, message, finish, use, logprobs)
+
+    async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
+        prep, q = await self._submit(call)
+        chunks = _ChunkWriter(call, prep, self._token_text)
+        outputs = self._outputs(call, q)
+        try:
+            async for out in outputs:
+                for chunk in chunks.write(out):
+                    yield chunk
+                if out.finished:
+                    self._observe_final(call, out)
+                    for chunk in chunks.finish(out):
+                        yield chunk
+        finally:
+            await outputs.aclose()
+
+
+def chat_message(text: str, parse_tools: bool) -> dict[str, Any]:
+    """The assistant message for a whole output, tool calls parsed out when the request had tools."""
+    if not parse_tools:
+        return {"role": "assistant", "content": text}
+    parser = ToolCallParser()
+    content = parser.feed(text)
+    rest, calls = parser.finish()
+    content += rest
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+class _ChunkWriter:
+    """Turns engine outputs into OpenAI stream chunks (role first, tool calls parsed on the fly)."""
+
+    def __init__(self, call: BackendCall, prep: Prepared, text_of: Any) -> None:
+        self.call, self.prep, self.text_of = call, prep, text_of
+        self.parser = ToolCallParser() if prep.tools else None
+        self.started = False
+        self.offset = len(prep.echo)
+
+    def _chunk(
+        self,
+        text: str,
+        finish: str | None = None,
+        lps: list[TokenLogprob] | None = None,
+        delta: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        c, p = self.call, self.prep
+        if c.kind == "completion":
+            logprobs = None
+            if p.logprobs is not None and lps is not None:
+                logprobs = fmt.completion_logprobs(lps, self.text_of, p.logprobs, self.offset)
+            self.offset += len(text)
+            return fmt.completion_chunk(p.response_id, c.created, c.model, text, finish, logprobs)
+        logprobs = (
+            fmt.chat_logprobs(lps, self.text_of, p.logprobs) if p.logprobs is not None and lps else None
+        )
+        d = delta if delta is not None else ({"content": text} if text else {})
+        return fmt.chat_chunk(p.response_id, c.created, c.model, d, finish, logprobs)
+
+    def write(self, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        if not self.started:
+            self.started = True
+            if self.call.kind == "chat":
+                chunks.append(self._chunk("", delta={"role": "assistant", "content": ""}))
+            elif self.prep.echo:
+                chunks.append(self._chunk(self.prep.echo))
+        text = self.parser.feed(out.new_text) if self.parser is not None else out.new_text
+        if text or (out.logprobs and self.prep.logprobs is not None):
+            chunks.append(self._chunk(text, lps=out.logprobs))
+        return chunks
+
+    def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks, finish = [], out.finish_reason
+        if self.parser is not None:
+            rest, calls = self.parser.finish()
+            if rest:
+                chunks.append(self._chunk(rest))
+            if calls:
+                finish = "tool_calls"
+                deltas = [{**tc, "index": i} for i, tc in enumerate(calls)]
+                chunks.append(self._chunk("", delta={"tool_calls": deltas}))
+        last = self._chunk("", finish)
+        last["metrics"] = fmt.metrics_from_stats(out.stats, self.call.route)
+        use = fmt.usage(len(self.prep.prompt_ids), out.stats.num_output_tokens)
+        if self.call.request.include_usage:
+            last["usage"] = None
+            obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
+            tail = fmt.usage_chunk(self.prep.response_id, self.call.created, self.call.model, obj, use)
+            tail["metrics"] = last["metrics"]
+            return [*chunks, last, tail]
+        return [*chunks, last]
+
+
+def _buildable_methods(engine: Engine) -> list[str]:
+    """Registered proposers that build for this engine; the others (no draft model configured, no
+    EAGLE head for this model) are left out of routing with the reason logged."""
+    out = []
+    for name in proposer_names():
+        try:
+            engine.proposer(name)
+        except (ValueError, FileNotFoundError) as exc:
+            logger.info("speculation method %s unavailable: %s", name, exc)
+        else:
+            out.append(name)
+    return out

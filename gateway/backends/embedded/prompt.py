@@ -1,0 +1,142 @@
+"""Validating an OpenAI request against the embedded engine and turning it into engine inputs.
+
+Everything that can refuse a request happens here, before the engine sees it, so a bad request
+gets a 400 and never a half-started stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specgate.engine.engine import Engine
+from specgate.engine.sampling_params import SamplingParams
+from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.embedded.chat_template import normalize_messages, render_chat
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    response_id: str
+    logprobs: int | None  # top logprobs to report, None for none
+    tools: bool  # parse tool calls out of the output
+    echo: str = ""  # completions with echo: the prompt text, sent before the output
+
+
+def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """About how much text the request asks us to tokenize (cheap: no tokenizer involved)."""
+    if isinstance(req, ChatCompletionRequest):
+        total = 0
+        for m in req.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(str(p.get("text", ""))) for p in m.content)
+        return total + sum(len(str(t)) for t in req.tools or ())
+    prompt = req.prompt
+    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+
+
+def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> BackendError:
+    return BackendError(400, message, code=code, param=param)
+
+
+def prepare(call: BackendCall, engine: Engine) -> Prepared:
+    req = call.request
+    if (req.n or 1) > 1:
+        raise _refuse("n > 1 is not supported by the embedded engine; send n separate requests", "n")
+    if isinstance(req, ChatCompletionRequest):
+        prompt_ids, tools = _chat_prompt(req, engine)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
+    else:
+        assert isinstance(req, CompletionRequest)
+        prompt_ids, echo = _completion_prompt(req, engine)
+        tools, logprobs = False, req.logprobs
+        rid, param = f"cmpl-{call.request_id}", "prompt"
+    vocab = engine.runner.vocab_size
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise BackendError(
+            400,
+            f"stop_token_ids must be in [0, {vocab}) for this model",
+            code="invalid_value",
+            param="stop_token_ids",
+        )
+    room = engine.max_model_len - len(prompt_ids)
+    limit = req.token_limit
+    if room < 1 or (limit is not None and limit > room):
+        asked = f" + {limit} completion" if limit is not None else ""
+        raise BackendError(
+            400,
+            f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
+            f"{len(prompt_ids)} prompt{asked} tokens. Please reduce the length of the {param} or completion.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    try:
+        params = SamplingParams(
+            max_tokens=limit if limit is not None else room,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            seed=req.seed,
+            stop=req.stops,
+            stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            min_tokens=req.min_tokens or 0,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise BackendError(400, str(exc), code="invalid_value") from exc
+    return Prepared(prompt_ids, params, rid, logprobs, tools, echo)
+
+
+def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> tuple[list[int], bool]:
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise _refuse(f"response_format {fmt!r} is not supported by the embedded engine", "response_format")
+    tok = engine.tokenizer
+    try:
+        messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)
+        ids = render_chat(tok, messages, tools)
+    except ValueError as exc:
+        raise BackendError(400, str(exc), code="invalid_value", param="messages") from exc
+    except Exception as exc:  # jinja errors: the template rejected this conversation
+        raise BackendError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    return ids, bool(req.tools) and req.tool_choice != "none"
+
+
+def _completion_prompt(req: CompletionRequest, engine: Engine) -> tuple[list[int], str]:
+    if req.suffix:
+        raise _refuse("suffix is not supported by the embedded engine", "suffix")
+    if (req.best_of or 1) > 1:
+        raise _refuse("best_of > 1 is not supported by the embedded engine", "best_of")
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > 1:
+            raise _refuse(
+                "batched prompts are not supported by the embedded engine; send one per request", "prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BackendError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+        ids = list(engine.tokenizer.encode(prompt))
+        text = prompt
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = engine.runner.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise BackendError(
+                400, f"prompt token ids must be in [0, {vocab})", code="invalid_value", param="prompt"
+            )
+        text = engine.tokenizer.decode(ids) if req.echo else ""
+    return ids, text if req.echo else ""

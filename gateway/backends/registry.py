@@ -1,0 +1,66 @@
+"""The backends this gateway knows, in configured order, and which of them serve which model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+
+from specgate.gateway.backends.base import Backend
+from specgate.gateway.backends.embedded.backend import EmbeddedBackend
+from specgate.gateway.backends.openai_http import OpenAIBackend
+from specgate.gateway.settings import Settings
+
+logger = logging.getLogger("specgate.gateway")
+
+
+class BackendRegistry:
+    def __init__(self, backends: list[Backend]) -> None:
+        self._backends = {b.name: b for b in backends}
+        # At most one in-process engine; looked up on every request, so found once here.
+        self.embedded: EmbeddedBackend | None = next(
+            (b for b in backends if isinstance(b, EmbeddedBackend)), None
+        )
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, client: httpx2.AsyncClient, cache_dir: str | None
+    ) -> BackendRegistry:
+        backends: list[Backend] = []
+        if settings.embedded.enabled:
+            backends.append(EmbeddedBackend(settings.embedded, cache_dir))
+        backends.extend(OpenAIBackend(b, client) for b in settings.backends)
+        return cls(backends)
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(self._backends.values())
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
+
+    def serving(self, model: str) -> list[Backend]:
+        return [b for b in self._backends.values() if model in b.model_ids()]
+
+    def models(self) -> dict[str, list[str]]:
+        """Every public model name, with the backends that serve it."""
+        out: dict[str, list[str]] = {}
+        for b in self._backends.values():
+            for m in b.model_ids():
+                out.setdefault(m, []).append(b.name)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {b.name: b.status() for b in self._backends.values()}
+
+    async def start(self) -> None:
+        await asyncio.gather(*(b.start() for b in self._backends.values()))
+
+    async def close(self) -> None:
+        for b in self._backends.values():
+            try:
+                await b.close()
+            except Exception:
+                logger.exception("closing backend %s failed", b.name)

@@ -1,0 +1,258 @@
+"""The `specgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from specgate.gateway.cli.eagle import add_eagle_parser
+from specgate.gateway.cli.policy import add_policy_parser
+from specgate.gateway.settings import default_cache_dir
+
+if TYPE_CHECKING:
+    from specgate.gateway.settings import Settings
+
+logger = logging.getLogger("specgate")
+
+
+def _quiet_transformers() -> None:
+    # Weights come from local files only; never let a missing file turn into a hub download.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)"
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _engine_config(args: argparse.Namespace):  # -> EngineConfig, imported lazily (torch is slow to import)
+    from specgate.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        convert_cache_dir=default_cache_dir(),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    from specgate.engine.engine import Engine
+    from specgate.engine.sampling_params import SamplingParams
+    from specgate.gateway.backends.embedded.chat_template import render_chat
+
+    engine = Engine(_engine_config(args))
+    tokenizer = engine.tokenizer
+    if args.raw or getattr(tokenizer, "chat_template", None) is None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt_ids = render_chat(tokenizer, messages)
+    max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
+    params = SamplingParams(
+        max_tokens=max(1, max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    spec = None
+    if args.spec != "off":
+        from specgate.engine.spec_decode.params import SpecParams
+
+        spec = SpecParams(method=args.spec, controller=args.spec_controller, k_max=args.k_max)
+    engine.add_request("cli", prompt_ids, params, spec)
+    start = time.perf_counter()
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if final is not None:
+        n = final.stats.num_output_tokens
+        line = f"{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={final.finish_reason}"
+        if final.stats.spec is not None:
+            st = final.stats.spec
+            line += (
+                f", {st.method}: {st.num_accepted_draft_tokens}/{st.num_draft_tokens} drafts accepted,"
+                f" {st.mean_acceptance_length:.2f} tokens per verification"
+            )
+        sys.stderr.write(f"[{line}]\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    import uvicorn
+
+    from specgate.gateway.http.app import create_app
+    from specgate.gateway.settings import Settings
+
+    overrides = {"host": args.host, "port": args.port}
+    settings = Settings.load(args.config, **overrides)
+    embedded = {
+        k: v
+        for k, v in {
+            "model": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            "threads": args.threads,
+        }.items()
+        if v is not None
+    }
+    if embedded:
+        settings.embedded = settings.embedded.model_copy(update=embedded)
+    if args.api_key:
+        from pydantic import SecretStr
+
+        settings.api_keys = [SecretStr(k) for k in args.api_key]
+    if settings.telemetry.enabled:
+        _preflight_schema(settings)
+    app = create_app(settings, cache_dir=default_cache_dir())
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info" if args.verbose else "warning",
+        access_log=args.verbose,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def _preflight_schema(settings: Settings) -> None:
+    """Refuse to start on an outdated telemetry schema with a message, not a traceback."""
+    from specgate.gateway.telemetry.schema import SchemaOutdatedError, ensure_schema
+    from specgate.gateway.telemetry.store import TelemetryStore
+
+    store = TelemetryStore(settings.telemetry)
+    try:
+        if not store.auto_upgrade:
+            ensure_schema(store.engine, store.url, auto_upgrade=False)
+    except SchemaOutdatedError as exc:
+        raise ValueError(str(exc)) from None
+    except Exception:
+        pass  # unreachable now: the gateway starts and spools rows until it is back
+    finally:
+        store.engine.dispose()
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specgate.bench.serve.harness import run
+
+    return run(args)
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from specgate.bench.soak import run
+
+    return run(args)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from specgate.gateway.telemetry import schema
+
+    url = args.url or os.environ.get("SPECGATE_TELEMETRY__URL") or schema.default_url()
+    if args.action == "upgrade":
+        schema.upgrade(url, args.revision or "head")
+    elif args.action == "downgrade":
+        if not args.revision:
+            raise ValueError("downgrade needs a revision: a revision id, -1, or base")
+        schema.downgrade(url, args.revision)
+    engine = schema.make_engine(url)
+    try:
+        current = schema.current_revision(engine)
+    finally:
+        engine.dispose()
+    head = schema.head_revision(url)
+    sys.stdout.write(f"current: {current or 'none (empty)'}  head: {head}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description="Adaptive speculative-decoding gateway")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion from the embedded engine")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--spec", default="off", help="speculation method: off, ngram, suffix (default off)")
+    gen.add_argument("--spec-controller", default="goodput", choices=["goodput", "static", "heuristic"])
+    gen.add_argument("--k-max", type=int, default=8, help="longest draft")
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
+    serve.add_argument("--host", default=None, help="default 127.0.0.1 (or SPECGATE_HOST)")
+    serve.add_argument("--port", type=int, default=None, help="default 8000 (or SPECGATE_PORT)")
+    serve.add_argument(
+        "--config", default=None, help="TOML, YAML or JSON file: backends, models, routes, keys"
+    )
+    serve.add_argument("--model", default=None, help="embedded model: HF directory or .gguf file")
+    serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench.add_parser("serve", help="replay workloads through a live gateway and report")
+    from specgate.bench.serve.options import add_arguments
+
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+    soak = bench.add_parser("soak", help="sustained hostile load with failures; reports what was lost")
+    from specgate.bench.soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(soak)
+    soak.set_defaults(func=cmd_bench_soak)
+
+    db = sub.add_parser("db", help="telemetry database schema (Alembic)")
+    db.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    db.add_argument("revision", nargs="?", default=None, help="target revision (upgrade: default head)")
+    db.add_argument(
+        "--url", default=None, help="database URL (default $SPECGATE_TELEMETRY__URL or the SQLite file)"
+    )
+    db.set_defaults(func=cmd_db)
+    add_policy_parser(sub)
+    add_eagle_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"specgate: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

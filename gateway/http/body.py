@@ -1,0 +1,98 @@
+"""Reading a JSON request body at the edge: one parse, bounded, and a 400 that names the parameter.
+
+The body's size is already bounded by the middleware and the key already checked by the route's
+dependencies when this runs. What JSON allows but a request never may is refused here: NaN and
+Infinity literals, nesting deeper than `MAX_DEPTH`, strings holding lone UTF-16 surrogates (they
+cannot be encoded again: one such model name used to break /metrics and the telemetry writer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from specgate.gateway.http.errors import invalid, validation_error
+
+MAX_DEPTH = 64
+M = TypeVar("M", bound=BaseModel)
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or an APIError (400) saying what is wrong with it."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError, bad UTF-8, NaN, integers too long
+        raise invalid("the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", code="invalid_json")
+    _check(data, check_text=_ESCAPED_SURROGATE.search(raw) is not None)
+    return data
+
+
+def _check(root: Any, check_text: bool) -> None:
+    """Depth and (when the raw body had surrogate escapes) lone surrogates, without recursion."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if check_text:
+                    _text(key)
+                if isinstance(value, dict | list) or (check_text and isinstance(value, str)):
+                    stack.append((value, depth + 1))
+        elif isinstance(node, list):
+            for value in node:
+                if isinstance(value, dict | list) or (check_text and isinstance(value, str)):
+                    stack.append((value, depth + 1))
+        elif isinstance(node, str):
+            _text(node)
+
+
+def _text(value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(
+            "the request body holds a string that is not valid Unicode (a lone surrogate escape)",
+            code="invalid_json",
+        ) from None
+
+
+def validate(model: type[M], data: dict[str, Any], status: int = 400) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = validation_error(exc.errors(include_url=False, include_input=False))
+        error.status = status
+        raise error from None
+
+
+async def parse_admin(request: Request, model: type[M], optional: bool = False) -> M:
+    """An admin body: the same checks, in FastAPI's dialect (422 for an invalid field)."""
+    raw = await request.body()
+    if optional and not raw.strip():
+        return model()
+    return validate(model, loads(raw), status=422)
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    """Read, parse and validate the body; on the way, the record learns the model it asked for."""
+    data = loads(await request.body())
+    name = data.get("model")
+    record = getattr(request.state, "record", None)
+    if record is not None and isinstance(name, str):
+        record.model = name
+    return validate(model, data)

@@ -1,0 +1,153 @@
+"""Plain ASGI middleware (no BaseHTTPMiddleware: it buffers and hides disconnects).
+
+For every request: a gateway id (the client's `x-request-id` is echoed back and kept apart, never
+used as a key), the client's address (X-Forwarded-For only from trusted proxies), the body size
+limit (413), the per-address limit on refused traffic (401 / 413), and an OpenAI-shaped 500 for
+anything that escapes the app before the response started.
+
+For the inference routes it also owns the request's record: created here before anything can
+fail, filled along the way, completed from the status actually sent and submitted exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specgate.gateway.http.auth import client_address, parse_networks
+from specgate.gateway.http.errors import APIError
+from specgate.gateway.telemetry.records import RequestRecord
+
+logger = logging.getLogger("specgate.gateway")
+_SANE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large"
+        )
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, trusted_proxies: list[str] | None = None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.trusted_proxies = parse_networks(trusted_proxies or [])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        services = getattr(getattr(scope.get("app"), "state", None), "services", None)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"")
+        client_id = given.decode("ascii") if _SANE_ID.match(given) else None
+        request_id = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["client_request_id"] = client_id
+        state["received_at"] = time.time()
+        state["received_perf"] = time.perf_counter()
+        addr = client_address(scope, headers, self.trusted_proxies)
+        state["client_addr"] = addr
+        endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
+        record = None
+        if endpoint is not None and services is not None:
+            record = RequestRecord(
+                request_id, endpoint, "unknown", state["received_at"], False, client_request_id=client_id
+            )
+            state["record"] = record
+            services.metrics.in_flight.inc()
+        rid_header = (b"x-request-id", (client_id or request_id).encode())
+        sent: list[int] = []  # the status actually sent, once the response started
+        too_large = False  # set by the body reader; whatever the app answers then becomes a 413
+        limit = self.max_body_bytes
+
+        async def send_raw(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        async def send_with_id(message: Message) -> None:
+            if too_large and not sent:
+                await self._send_error(BodyTooLarge(limit), send_raw)
+                return
+            if too_large:
+                return  # the app's own answer (a body-parse error) is replaced by the 413 above
+            await send_raw(message)
+
+        seen = 0
+
+        async def limited_receive() -> Message:
+            # Bodies without a content-length are counted as they arrive.
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    too_large = True
+                    raise BodyTooLarge(limit)
+            return message
+
+        escaped: BaseException | None = None
+        try:
+            declared = headers.get(b"content-length")
+            if services is not None and services.refusals.exhausted(addr):
+                await self._send_error(_too_many_refusals(services.refusals.retry_after(addr)), send_raw)
+            elif declared is not None and declared.isdigit() and int(declared) > limit:
+                await self._send_error(BodyTooLarge(limit), send_raw)
+            else:
+                await self.app(scope, limited_receive, send_with_id)
+        except Exception as exc:
+            escaped = exc
+            if sent:
+                raise
+            error = (
+                exc
+                if isinstance(exc, APIError)
+                else APIError(500, "internal server error", code="internal_error")
+            )
+            if not isinstance(exc, APIError):
+                logger.exception("unhandled error on %s", scope.get("path"))
+            if record is not None and record.error_code is None:
+                record.error_code = error.code
+            await self._send_error(error, send_with_id)
+        except BaseException as exc:  # cancelled: the record still lands
+            escaped = exc
+            raise
+        finally:
+            status = sent[0] if sent else None
+            if services is not None:
+                if status in REFUSALS:
+                    services.refusals.charge(addr)
+                if record is not None:
+                    if status == 413 and record.error_code is None:
+                        record.error_code = "request_too_large"
+                    services.metrics.in_flight.dec()
+                    services.complete(record, status, escaped)
+
+    @staticmethod
+    async def _send_error(error: APIError, send: Any) -> None:
+        response = error.response()
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+
+def _too_many_refusals(retry_after: float) -> APIError:
+    return APIError(
+        429,
+        "Too many refused requests (bad keys or oversized bodies) from this address; slow down.",
+        code="rate_limit_exceeded",
+        retry_after=retry_after,
+    )

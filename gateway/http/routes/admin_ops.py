@@ -1,0 +1,68 @@
+"""/admin/route/explain, /admin/stats, /admin/backends: what the gateway would do and what it did."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+
+from specgate.gateway.http.body import parse_admin
+from specgate.gateway.http.deps import AdminDep, ServicesDep
+from specgate.gateway.http.errors import APIError
+from specgate.gateway.http.openapi import json_body
+from specgate.gateway.protocol.schemas import ChatCompletionRequest
+from specgate.gateway.routing.policy_router import PolicyRouter
+from specgate.gateway.telemetry.stats import window_stats
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+@router.post(
+    "/route/explain",
+    summary="Dry run: how a chat request would be classified and routed",
+    openapi_extra=json_body(ChatCompletionRequest),
+)
+async def explain(request: Request, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+    body = await parse_admin(request, ChatCompletionRequest)
+    if not isinstance(svc.router, PolicyRouter):
+        decision = svc.router.route(body, svc.load_signals())
+        return {"policy": "static", "route": decision.as_dict()}
+    plan = svc.router.plan(body, svc.load_signals(), explore=False)  # no exploration draw, no budget spent
+    return plan.explain()
+
+
+@router.get("/stats", summary="Request, acceptance and route aggregates over a time window")
+async def stats(
+    svc: ServicesDep,
+    _: AdminDep,
+    window: Annotated[float, Query(gt=0, le=24 * 365, description="hours back from now")] = 24.0,
+) -> dict[str, Any]:
+    if svc.store is None:
+        raise APIError(409, "telemetry is disabled on this gateway", code="no_telemetry")
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(hours=window)
+    out = await asyncio.to_thread(window_stats, svc.store.engine, since)
+    out["window_hours"] = window
+    return out
+
+
+@router.get("/backends", summary="Every backend: health, breaker, load, models")
+async def backends(svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
+    load = svc.load_signals()
+    status = svc.registry.status()
+    return {
+        "backends": [
+            {"name": name, **info, "policy_load": _backend_load(load, name)} for name, info in status.items()
+        ],
+        "engine_load": load.features(),
+    }
+
+
+def _backend_load(load: Any, name: str) -> dict[str, Any] | None:
+    b = load.backends.get(name)
+    return (
+        None
+        if b is None
+        else {"in_flight": b.in_flight, "latency_ewma_ms": b.latency_ewma_ms, "healthy": b.healthy}
+    )

@@ -1,0 +1,162 @@
+"""One request's life in the gateway: route, call a backend (with failover), answer, record.
+
+Shared by the chat and completions endpoints. Whatever happens (bad input, backend failure,
+client disconnect) the request leaves exactly one record, and the client an OpenAI-shaped answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from specgate.gateway.backends.base import Backend, BackendCall, BackendError, Kind, Observation
+from specgate.gateway.http.errors import APIError
+from specgate.gateway.http.responses import SafeJSONResponse
+from specgate.gateway.http.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.routing import dispatch
+from specgate.gateway.services import Services
+from specgate.gateway.telemetry.records import RequestRecord
+
+logger = logging.getLogger("specgate.gateway")
+
+
+async def handle(
+    svc: Services,
+    request: Request,
+    parsed: ChatCompletionRequest | CompletionRequest,
+    kind: Kind,
+    key_id: str | None,
+) -> Response:
+    state = request.state
+    rec: RequestRecord = state.record  # created by the middleware, which also submits it
+    load = svc.load_signals()  # one snapshot: what the record keeps is what the policy saw
+    rec.model, rec.stream, rec.load = parsed.model, bool(parsed.stream), svc.load_snapshot(load)
+    streaming = False
+    call: BackendCall | None = None
+    try:
+        decision = svc.router.route(parsed, load)
+        rec.route = decision.as_dict()
+        rec.features = decision.features
+        rec.workload_class = decision.workload_class
+        rec.class_confidence = decision.class_confidence
+        call = BackendCall(
+            request_id=state.request_id,
+            kind=kind,
+            model=parsed.model,
+            body=parsed.model_dump(exclude_unset=True),
+            request=parsed,
+            created=int(time.time()),
+            spec=decision.spec,
+            route=rec.route,
+            cache_scope=svc.cache_scope(key_id, state.client_addr),
+        )
+        candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
+        rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
+        if parsed.stream:
+            first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
+            external = _note_backend(svc, rec, call, backend, decision.backends)
+            streaming = True
+            return EventStreamResponse(_events(svc, rec, call, first, rest, external))
+        body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
+        if _note_backend(svc, rec, call, backend, decision.backends):
+            # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
+            body["metrics"] = _external_metrics(call, body.get("metrics"))
+        return SafeJSONResponse(body)
+    except ClientDisconnected:
+        rec.outcome = "cancelled"
+        return Response(status_code=499)
+    except BackendError as err:
+        raise dispatch.to_api_error(err, svc.settings.retry_after_seconds) from None
+    finally:
+        if not streaming:
+            _close(rec, call)
+
+
+async def _events(
+    svc: Services,
+    rec: RequestRecord,
+    call: BackendCall,
+    first: dict[str, Any],
+    rest: AsyncIterator[dict[str, Any]],
+    external: bool,
+) -> AsyncIterator[bytes]:
+    try:
+        chunk: dict[str, Any] | None = first
+        while chunk is not None:
+            choices = chunk.get("choices")
+            final = (choices and choices[0].get("finish_reason")) or (not choices and chunk.get("usage"))
+            if final and ("metrics" not in chunk or external):
+                chunk["metrics"] = _external_metrics(call, chunk.get("metrics"))
+            yield sse(chunk)
+            chunk = await anext(rest, None)
+        yield DONE
+    except BackendError as err:
+        error = dispatch.to_api_error(err, svc.settings.retry_after_seconds)
+        rec.outcome, rec.error_code = "error", error.code or "backend_error"
+        logger.warning("stream %s failed after it started: %s", rec.request_id, err.message)
+        yield error.sse_event()
+    except (asyncio.CancelledError, GeneratorExit):
+        rec.outcome = "cancelled"
+        raise
+    except Exception:
+        logger.exception("stream %s failed after it started", rec.request_id)
+        rec.outcome, rec.error_code = "error", "internal_error"
+        yield APIError(500, "internal server error", code="internal_error").sse_event()
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        _close(rec, call)
+
+
+def _note_backend(
+    svc: Services, rec: RequestRecord, call: BackendCall, backend: Backend, order: list[str]
+) -> bool:
+    """Record which backend took the call; whether it is an external one."""
+    rec.backend = call.route["backend"] = backend.name
+    external = backend is not svc.registry.embedded
+    if external:
+        call.route["spec"] = None  # an external backend decides its own speculation
+    method = "upstream" if external else (call.spec.method if call.spec is not None else "off")
+    call.route["arm"] = f"{backend.name}:{method}"  # what actually served: the policy learns from it
+    if order and backend.name != order[0]:
+        svc.metrics.failovers.labels(call.model).inc()
+    return external
+
+
+def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any]:
+    obs = call.observed
+    out: dict[str, Any] = {"route": call.route, "spec_decoding": obs.spec or {"method": None}}
+    if obs.upstream:
+        out["upstream"] = obs.upstream
+    elif upstream_metrics is not None:
+        out["upstream"] = {"metrics": upstream_metrics}
+    return out
+
+
+def _observe(rec: RequestRecord, obs: Observation) -> None:
+    rec.first_token_at = obs.first_token_time
+    rec.finish_reason = obs.finish_reason
+    rec.prompt_tokens = obs.prompt_tokens
+    rec.completion_tokens = obs.completion_tokens
+    rec.queue_ms = None if obs.queue_time is None else obs.queue_time * 1e3
+    rec.spec = obs.spec
+    rec.upstream = obs.upstream
+    rec.attempts = obs.attempts
+    rec.spec_steps = obs.spec_steps
+
+
+def _close(rec: RequestRecord, call: BackendCall | None) -> None:
+    """What the backend observed goes into the record; the middleware settles and submits it."""
+    if call is not None:
+        _observe(rec, call.observed)
+        if call.observed.backend and rec.backend is None:
+            rec.backend = call.observed.backend
+    rec.finish()

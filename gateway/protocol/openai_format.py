@@ -1,0 +1,164 @@
+"""OpenAI response and chunk bodies, and the `metrics` extension, as small pure functions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from specgate.engine.outputs import RequestStats, TokenLogprob
+
+TokenText = Callable[[int], str]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str | None,
+    use: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def completion_response(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    use: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText, top_n: int) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = text_of(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:top_n]]}
+            for lp in lps
+        ]
+    }
+
+
+def completion_logprobs(
+    lps: Sequence[TokenLogprob], text_of: TokenText, top_n: int, offset: int
+) -> dict[str, Any]:
+    tokens = [text_of(lp.token_id) for lp in lps]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{text_of(t): v for t, v in lp.top[:top_n]} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def metrics_from_stats(stats: RequestStats, route: dict[str, Any]) -> dict[str, Any]:
+    """The per-request `metrics` extension, named like vLLM's RequestMetrics (unix-time stamps)."""
+    shift = time.time() - time.monotonic()
+
+    def wall(t: float | None) -> float | None:
+        return None if t is None else t + shift
+
+    out: dict[str, Any] = {
+        "arrival_time": wall(stats.arrival_time),
+        "first_scheduled_time": wall(stats.first_scheduled_time),
+        "first_token_time": wall(stats.first_token_time),
+        "last_token_time": wall(stats.last_token_time),
+        "finished_time": wall(stats.finished_time),
+        "time_in_queue": stats.queue_time,
+        "ttft": stats.ttft,
+        "tpot": stats.tpot,
+        "num_steps": stats.num_steps,
+        "num_preemptions": stats.num_preemptions,
+        "route": route,
+    }
+    out["spec_decoding"] = spec_decoding(stats)
+    # vLLM's layout: index 0 counts verification steps, index i the drafts accepted at position i.
+    spec = stats.spec
+    out["spec_token_acceptance_counts"] = [spec.num_spec_steps, *spec.acceptance_histogram] if spec else None
+    return out
+
+
+def spec_decoding(stats: RequestStats) -> dict[str, Any]:
+    spec = stats.spec
+    if spec is None:
+        return {"method": None}
+    return {
+        "method": spec.method,
+        "num_drafts": spec.num_spec_steps,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_draft_tokens,
+        "acceptance_counts": list(spec.acceptance_histogram),
+        "mean_acceptance_length": spec.mean_acceptance_length,
+        "draft_acceptance_rate": spec.draft_acceptance_rate,
+    }

@@ -1,0 +1,105 @@
+"""Failover across a route's candidate backends, up to the moment the first byte reaches the client.
+
+A retryable failure (connection refused, 429, 5xx, open breaker) moves on to the next candidate;
+any other failure is the client's answer. For a stream, "started" means the first chunk was
+produced: until then a failure is still invisible to the client and may fail over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from specgate.gateway.backends.base import Backend, BackendCall, BackendError
+from specgate.gateway.http.errors import APIError
+
+logger = logging.getLogger("specgate.gateway")
+
+
+def to_api_error(err: BackendError, default_retry_after: float) -> APIError:
+    retry_after = err.retry_after
+    if err.status in (429, 503) and retry_after is None:
+        retry_after = default_retry_after
+    return APIError(
+        err.status,
+        err.message,
+        code=err.code,
+        param=err.param,
+        type=err.error_type,
+        retry_after=retry_after if err.status in (429, 503) else None,
+    )
+
+
+def _ordered(candidates: list[Backend]) -> list[Backend]:
+    # Healthy backends first, in route order; unhealthy ones stay as a last resort.
+    return [b for b in candidates if b.healthy] + [b for b in candidates if not b.healthy]
+
+
+def _exhausted(errors: list[BackendError]) -> BackendError:
+    if errors and all(e.status == 429 for e in errors):
+        waits = [e.retry_after for e in errors if e.retry_after is not None]
+        return BackendError(
+            429, errors[-1].message, code="rate_limit_exceeded", retry_after=min(waits) if waits else None
+        )
+    if len(errors) == 1:
+        return errors[0]
+    detail = "; ".join(e.message for e in errors)
+    waits = [e.retry_after for e in errors if e.retry_after is not None]
+    return BackendError(
+        503,
+        f"no backend could serve the request: {detail}",
+        code="backends_unavailable",
+        retry_after=min(waits) if waits else None,
+    )
+
+
+async def complete(call: BackendCall, candidates: list[Backend]) -> tuple[dict[str, Any], Backend]:
+    errors: list[BackendError] = []
+    for backend in _ordered(candidates):
+        call.observed.backend = backend.name
+        try:
+            return await backend.complete(call), backend
+        except BackendError as err:
+            if not err.retryable:
+                raise
+            logger.info(
+                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
+            )
+            errors.append(err)
+    raise _exhausted(errors)
+
+
+async def open_stream(
+    call: BackendCall, candidates: list[Backend]
+) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]], Backend]:
+    """The first chunk, the rest of the stream, and the backend that produced them."""
+    errors: list[BackendError] = []
+    for backend in _ordered(candidates):
+        call.observed.backend = backend.name
+        stream = aiter(backend.stream(call))
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            errors.append(BackendError(502, f"backend {backend.name} sent an empty stream", retryable=True))
+            continue
+        except BackendError as err:
+            await _close(stream)
+            if not err.retryable:
+                raise
+            logger.info(
+                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
+            )
+            errors.append(err)
+            continue
+        except BaseException:
+            await _close(stream)
+            raise
+        return first, stream, backend
+    raise _exhausted(errors)
+
+
+async def _close(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -1,0 +1,175 @@
+"""The active routing policy: loaded from its version row at start (warm start), swapped atomically
+on an operator's edit, a retrain that wins its evaluation, or a rollback.
+
+Every change is a new `policy_versions` row, so any earlier routing can be restored exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from specgate.gateway.http.errors import APIError
+from specgate.gateway.settings import PolicySettings
+from specgate.gateway.telemetry.policy_store import PolicyStore, Version
+from specgate.policies.decision import Decision, DecisionContext, Policy
+from specgate.policies.exploration import ExplorationBudget
+from specgate.policies.rules import RuleConfig
+from specgate.policies.state import PolicyState
+from specgate.policies.training import InsufficientData, retrain
+
+logger = logging.getLogger("specgate.policy")
+
+
+class PolicyManager:
+    def __init__(self, settings: PolicySettings, store: PolicyStore, persistent: bool) -> None:
+        self.settings = settings
+        self.store = store
+        self.persistent = persistent  # False: versions live in memory and there is no telemetry
+        self.state = PolicyState()
+        self.version: int | None = None
+        self.budget = ExplorationBudget(self.state.rules.exploration_cap)
+        self.policy: Policy = self.state.build(self.budget, settings.seed)
+        self._lock = asyncio.Lock()  # one change at a time; routing never waits on it
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- routing (event loop, no I/O) ---------------------------------------------------------
+
+    def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
+        return self.policy.decide(ctx, explore)
+
+    # ---- versions -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Install the active version, or record the default rules as version 1 on a fresh database."""
+        row = self.store.active()
+        if row is None:
+            values = self._values(PolicyState(), "default", "active", note="rules on a fresh install")
+            self._activate(self.store.add(values))
+        else:
+            self._install(row)
+        logger.info("routing policy version %s (%s) active", self.version, self.state.kind)
+
+    def _install(self, row: Version) -> None:
+        state = PolicyState.from_dict(row["artifact"])
+        policy = state.build(self.budget, self.settings.seed)
+        self.state, self.version, self.policy = state, int(row["version"]), policy  # one swap
+
+    def _values(self, state: PolicyState, source: str, status: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "kind": state.kind,
+            "source": source,
+            "status": status,
+            "parent_version": self.version,
+            "artifact": state.as_dict(),
+            **extra,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": self.state.kind,
+            "persistent": self.persistent,
+            "rules": self.state.rules.as_dict(),
+            "modelled_arms": sorted(self.state.model.arms) if self.state.model else [],
+            "acceptance_priors": self.state.priors,
+            "exploration_share": round(self.budget.share, 4),
+            "settings": self.settings.model_dump(),
+        }
+
+    def versions(self, limit: int = 50) -> list[Version]:
+        return [_summary(row) for row in self.store.recent(limit)]
+
+    async def update_rules(self, rules: RuleConfig, note: str | None) -> Version:
+        async with self._lock:
+            state = PolicyState(rules, self.state.model, self.state.priors)
+            return await asyncio.to_thread(self._add_active, state, "edit", note)
+
+    async def rollback(self, version: int) -> Version:
+        async with self._lock:
+            row = await asyncio.to_thread(self.store.get, version)
+            if row is None:
+                raise APIError(404, f"policy version {version} does not exist", code="version_not_found")
+            state = PolicyState.from_dict(row["artifact"])
+            return await asyncio.to_thread(
+                self._add_active, state, "rollback", f"rollback to version {version}"
+            )
+
+    def _add_active(self, state: PolicyState, source: str, note: str | None) -> Version:
+        return self._activate(self.store.add(self._values(state, source, "retired", note=note)))
+
+    def _activate(self, version: int) -> Version:
+        """Make a stored version the active one and route by it from now on; its summary."""
+        self.store.activate(version)
+        row = self.store.get(version)
+        assert row is not None
+        self._install(row)
+        return _summary(row)
+
+    async def retrain(self, force: bool = False, window_hours: float | None = None) -> dict[str, Any]:
+        if not self.persistent:
+            raise APIError(
+                409, "retraining needs telemetry: it is disabled on this gateway", code="no_telemetry"
+            )
+        hours = window_hours or self.settings.train_window_hours
+        async with self._lock:
+            rows = await asyncio.to_thread(self.store.training_rows, time.time() - hours * 3600)
+            try:
+                result = await asyncio.to_thread(
+                    retrain, rows, self.state.rules, self.state, self.settings.holdout_share, force
+                )
+            except InsufficientData as exc:
+                raise APIError(409, str(exc), code="insufficient_telemetry") from exc
+            values = self._values(
+                result.state,
+                "retrain",
+                "retired" if result.promote else "rejected",
+                window_start=result.window[0],
+                window_end=result.window[1],
+                train_rows=result.n_train,
+                metrics=result.as_dict(),
+                note=result.reason,
+            )
+            version = await asyncio.to_thread(self.store.add, values)
+            if result.promote:
+                await asyncio.to_thread(self._activate, version)
+            logger.info(
+                "retrain: version %s %s (%s)",
+                version,
+                "promoted" if result.promote else "kept out",
+                result.reason,
+            )
+            return {
+                "version": version,
+                "promoted": result.promote,
+                "active_version": self.version,
+                **result.as_dict(),
+            }
+
+    # ---- periodic retraining ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.settings.retrain_interval > 0 and self.persistent:
+            self._task = asyncio.create_task(self._retrain_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _retrain_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retrain_interval)
+            try:
+                await self.retrain()
+            except APIError as exc:
+                logger.info("scheduled retrain skipped: %s", exc.message)
+            except Exception:
+                logger.exception("scheduled retrain failed")
+
+
+def _summary(row: Version) -> Version:
+    """A version row without its artifact (the fitted model can be large)."""
+    return {k: v for k, v in row.items() if k != "artifact"}

@@ -1,0 +1,192 @@
+"""Prometheus metrics, one registry per app (no process-wide singletons, so apps in tests are independent).
+
+Label values come only from bounded sets: configured backends, the models they serve (anything else
+a client names is `unknown`), endpoints, statuses, classes and arms. Nothing a client sends
+unauthenticated can mint a new series or put a string Prometheus cannot encode into the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from specgate.gateway.telemetry.records import RequestRecord
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+
+
+UNKNOWN = "unknown"
+MAX_MODEL_LABELS = 512  # served models beyond this many share the label "other"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        # The models backends serve now (set by Services); label values for `model`.
+        self.models: Callable[[], Mapping[str, Any]] = dict
+        self._model_labels: set[str] = set()
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specgate_requests",
+            "Requests by endpoint, model, backend and HTTP status",
+            ["endpoint", "model", "backend", "status", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specgate_ttft_seconds", "Time to first token", ["model", "backend"], buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "specgate_tpot_seconds",
+            "Time per output token after the first",
+            ["model", "backend"],
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specgate_e2e_seconds",
+            "Request latency, end to end",
+            ["model", "backend"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "specgate_gateway_overhead_seconds",
+            "Time spent in the gateway before the backend was called",
+            ["endpoint"],
+            buckets=_OVERHEAD,
+            registry=r,
+        )
+        self.tokens = Counter("specgate_tokens", "Tokens by kind", ["model", "kind"], registry=r)
+        self.routes = Counter(
+            "specgate_route_decisions",
+            "Routed requests by workload class, the arm that served them, and the policy that chose it",
+            ["workload_class", "arm", "policy", "explored"],
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "specgate_spec_draft_tokens", "Drafted tokens", ["model", "method"], registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specgate_spec_accepted_tokens", "Accepted drafted tokens", ["model", "method"], registry=r
+        )
+        self.acceptance_length = Histogram(
+            "specgate_spec_acceptance_length",
+            "Mean tokens per verification step, per request",
+            ["model", "method"],
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "specgate_engine_queue_depth", "Requests waiting for a batch slot", registry=r
+        )
+        self.batch_size = Gauge("specgate_engine_batch_size", "Requests running in the engine", registry=r)
+        self.kv_usage = Gauge("specgate_engine_kv_usage", "Fraction of KV-cache blocks in use", registry=r)
+        self.kv_blocks = Gauge(
+            "specgate_engine_kv_blocks_used", "KV-cache blocks held by requests (0 when idle)", registry=r
+        )
+        self.in_flight = Gauge("specgate_in_flight_requests", "Requests being served now", registry=r)
+        self.backend_up = Gauge(
+            "specgate_backend_up", "1 if the backend takes traffic", ["backend"], registry=r
+        )
+        self.backend_in_flight = Gauge(
+            "specgate_backend_in_flight", "Requests in flight per backend", ["backend"], registry=r
+        )
+        self.breaker_open = Gauge(
+            "specgate_backend_breaker_open", "1 while the backend's breaker is open", ["backend"], registry=r
+        )
+        self.retries = Counter(
+            "specgate_backend_attempts", "Upstream attempts, retries included", ["backend"], registry=r
+        )
+        self.failovers = Counter(
+            "specgate_failovers", "Requests served by a later candidate backend", ["model"], registry=r
+        )
+
+    def model_label(self, model: str) -> str:
+        if model in self._model_labels:
+            return model
+        if model not in self.models():
+            return UNKNOWN
+        if len(self._model_labels) >= MAX_MODEL_LABELS:
+            return "other"
+        self._model_labels.add(model)
+        return model
+
+    def observe(self, rec: RequestRecord) -> None:
+        backend = rec.backend or "none"
+        model = self.model_label(rec.model)
+        self.requests.labels(rec.endpoint, model, backend, str(rec.status), rec.outcome).inc()
+        if rec.overhead_ms is not None:
+            self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
+        if rec.workload_class is not None and rec.route.get("arm"):
+            explored = str(bool(rec.route.get("explored"))).lower()
+            self.routes.labels(rec.workload_class, rec.route["arm"], rec.route.get("policy"), explored).inc()
+        if rec.backend and rec.attempts:
+            self.retries.labels(rec.backend).inc(rec.attempts)
+        if rec.outcome != "ok":
+            return
+        for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):
+            if value is not None:
+                hist.labels(model, backend).observe(value / 1e3)
+        if rec.prompt_tokens:
+            self.tokens.labels(model, "prompt").inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            self.tokens.labels(model, "completion").inc(rec.completion_tokens)
+        spec = rec.spec or {}
+        method = spec.get("method")
+        if method:
+            self.draft_tokens.labels(model, method).inc(spec.get("num_draft_tokens") or 0)
+            self.accepted_tokens.labels(model, method).inc(spec.get("num_accepted_tokens") or 0)
+            if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
+                self.acceptance_length.labels(model, method).observe(spec["mean_acceptance_length"])
+
+    def refresh_engine(self, waiting: int, running: int, kv_usage: float, kv_blocks: int = 0) -> None:
+        self.queue_depth.set(waiting)
+        self.batch_size.set(running)
+        self.kv_usage.set(kv_usage)
+        self.kv_blocks.set(kv_blocks)
+
+    def refresh_backends(self, status: dict[str, dict[str, Any]]) -> None:
+        for name, st in status.items():
+            self.backend_up.labels(name).set(1 if st.get("healthy") else 0)
+            self.breaker_open.labels(name).set(1 if st.get("breaker") == "open" else 0)
+            if "in_flight" in st:
+                self.backend_in_flight.labels(name).set(st["in_flight"])
+
+    def watch_writer(self, counters: Any, queue_size: Callable[[], int]) -> None:
+        """Export the telemetry writer's counters (read at scrape time, no locking needed)."""
+        self.registry.register(_WriterCollector(counters, queue_size))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WriterCollector(Collector):
+    def __init__(self, counters: Any, queue_size: Callable[[], int]) -> None:
+        self.counters = counters
+        self.queue_size = queue_size
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters
+        for name, value, doc in (
+            ("queued", c.queued, "Rows handed to the telemetry writer"),
+            ("written", c.written, "Rows inserted into the database directly"),
+            ("spooled", c.spooled, "Rows written to the spool file while the database was unavailable"),
+            ("replayed", c.replayed, "Spooled rows replayed into the database"),
+            ("dropped", c.dropped, "Rows lost (the spool's disk failed); must stay 0"),
+            ("db_errors", c.db_errors, "Failed database writes"),
+            ("quarantined", c.quarantined, "Rows the database refused (kept in telemetry_quarantine)"),
+        ):
+            yield CounterMetricFamily(f"specgate_telemetry_rows_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "specgate_telemetry_queue_depth", "Rows waiting for the writer", value=self.queue_size()
+        )
+        yield GaugeMetricFamily(
+            "specgate_telemetry_spool_backlog",
+            "Rows in this process's spool, not yet in the database",
+            value=c.spool_backlog,
+        )

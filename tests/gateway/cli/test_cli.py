@@ -1,0 +1,123 @@
+"""`specgate generate` streams text from an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specgate.gateway.cli.main import main
+
+
+def test_generate_streams_text_and_reports_stats(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--raw",
+            "--max-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "Hi",
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc == 0
+    assert len(out.out.strip("\n")) > 0
+    assert "tokens in" in out.err and "finish_reason=" in out.err
+
+
+def test_generate_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(tmp_path / "missing"), "hello"])
+    assert rc == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_generate_with_speculation_reports_acceptance(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--model", str(tiny_llama_dir), "--raw", "--dtype", "float32", "--max-tokens", "30"]
+    rc = main([*argv, "--spec", "ngram", "--spec-controller", "static", "Hi"])
+    assert rc == 0
+    assert "ngram:" in capsys.readouterr().err
+
+
+def test_generate_unknown_speculation_method_is_a_clean_error(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--raw", "--spec", "telepathy", "Hi"])
+    assert rc == 2
+    assert "unknown speculation method" in capsys.readouterr().err
+
+
+def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from tests.gateway.live import free_port, wait_until_ready
+
+    port = free_port()
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        'api_keys = ["from-file"]\n'
+        "[embedded]\n"
+        f'model = "{tiny_llama_dir}"\n'
+        'served_model_name = "tiny"\n'
+        'aliases = ["tiny-alias"]\n'
+        "num_blocks = 128\n"
+    )
+    env = {**os.environ, "SPECGATE_EMBEDDED__DTYPE": "float32"}  # env vars override the file
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specgate.gateway.cli.main",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_ready(url, time.monotonic() + 120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="from-file", max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == ["tiny", "tiny-alias"]
+        r = client.chat.completions.create(
+            model="tiny-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 3 and r.model == "tiny-alias"
+        ready = httpx.get(f"{url}/readyz").json()
+        assert ready["status"] == "ready"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells what ended it.
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "from-file" not in out and "Traceback" not in out
+
+
+def test_serve_refuses_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("backends:\n  - name: x\n    base_url: ftp://nowhere\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "base_url must start with http" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""Limits key on what a client cannot mint: a valid key, else its address (X-Forwarded-For only from
+trusted proxies). Refused traffic (401, 413) is limited too, and limiter state stays bounded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specgate.gateway.http.auth import RateLimiter, client_address, parse_networks
+from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def open_limited(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
+    live = start_gateway(
+        tiny_settings(
+            str(tiny_llama_dir), rate_limit_rpm=30, trusted_proxies=["127.0.0.1"], log_requests=False
+        )
+    )
+    yield live
+    live.stop()
+
+
+def _models(live: LiveGateway, **headers: str) -> int:
+    return httpx.get(f"{live.url}/v1/models", headers=headers, timeout=10).status_code
+
+
+def test_open_mode_limits_the_address_not_the_bearer_string(open_limited: LiveGateway) -> None:
+    # A fresh bearer string per request used to buy a fresh bucket each time.
+    statuses = [
+        _models(open_limited, authorization=f"Bearer made-up-{i}", **{"x-forwarded-for": "203.0.113.7"})
+        for i in range(12)
+    ]
+    assert statuses[:5] == [200] * 5 and 429 in statuses  # 30 rpm: a burst of five, then 429
+    # Another client behind the same trusted proxy has its own budget.
+    assert _models(open_limited, **{"x-forwarded-for": "203.0.113.8"}) == 200
+
+
+def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
+    trusted = parse_networks(["10.0.0.0/8"])
+
+    def addr(peer: str, xff: str) -> str:
+        return client_address({"client": (peer, 1)}, {b"x-forwarded-for": xff.encode()}, trusted)
+
+    assert addr("10.1.2.3", "198.51.100.1") == "198.51.100.1"  # from our proxy: believed
+    assert addr("198.51.100.9", "1.2.3.4") == "198.51.100.9"  # from anyone else: ignored
+    # The client may prepend anything; the nearest untrusted hop is what our proxy saw.
+    assert addr("10.1.2.3", "6.6.6.6, 198.51.100.1, 10.9.9.9") == "198.51.100.1"
+    assert addr("10.1.2.3", "not-an-ip") == "10.1.2.3"
+    assert client_address({"client": ("10.1.2.3", 1)}, {b"x-forwarded-for": b"1.1.1.1"}, []) == "10.1.2.3"
+
+
+def test_refused_traffic_is_limited_per_address(tiny_llama_dir: Path) -> None:
+    live = start_gateway(
+        tiny_settings(
+            str(tiny_llama_dir),
+            api_keys=["k-real"],
+            refused_rpm=60,  # bursts of ten refusals
+            trusted_proxies=["127.0.0.1"],
+            max_body_bytes=2048,
+            log_requests=False,
+        )
+    )
+    try:
+        attacker = {"x-forwarded-for": "198.51.100.66"}
+        guesses = [_models(live, authorization=f"Bearer guess-{i}", **attacker) for i in range(14)]
+        assert guesses[:10] == [401] * 10 and guesses[10:] == [429] * 4
+        # Now even its right key waits: the budget is the address's, checked before the key.
+        assert _models(live, authorization="Bearer k-real", **attacker) == 429
+        # Oversized bodies count too.
+        big = {"x-forwarded-for": "198.51.100.67", "authorization": "Bearer k-real"}
+        sizes = [
+            httpx.post(f"{live.url}/v1/chat/completions", content=b"x" * 4096, headers=big).status_code
+            for _ in range(12)
+        ]
+        assert sizes[:10] == [413] * 10 and sizes[10:] == [429] * 2
+        # Everyone else is served as before.
+        assert _models(live, authorization="Bearer k-real", **{"x-forwarded-for": "198.51.100.1"}) == 200
+        records = [r for r in live.services.recent.records if r.endpoint == "chat"]
+        assert len(records) == 12 and {r.status for r in records} == {413, 429}  # one record each
+    finally:
+        live.stop()
+
+
+def test_limiter_state_is_bounded() -> None:
+    limiter = RateLimiter(rpm=60, max_keys=100)
+    for i in range(10_000):
+        limiter.take(f"addr-{i}", now=float(i))
+    assert len(limiter.buckets) == 100
+    assert list(limiter.buckets)[-1] == "addr-9999"  # the most recent stay
