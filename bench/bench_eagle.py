@@ -40,7 +40,7 @@ ARMS: dict[str, SpecParams | None] = {
 
 def run(
     engine: Engine, ids: list[int], spec: SpecParams | None, max_tokens: int
-) -> tuple[int, float, float, int]:
+) -> tuple[int, float, int, int]:
     """(tokens, seconds, accepted drafts, verification steps) of one request run alone."""
     engine.add_request(
         f"r{time.perf_counter_ns()}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec
@@ -99,12 +99,12 @@ def main() -> None:
     steps: dict[tuple[str, str], int] = defaultdict(int)
     for i, (cat, ids) in enumerate(items):
         for arm, engine in engines.items():
-            t, s, a, n = run(engine, ids, ARMS[arm], args.max_tokens)
+            got_tokens, got_s, got_accepted, got_steps = run(engine, ids, ARMS[arm], args.max_tokens)
             key = (cat, arm)
-            tokens[key] += t
-            seconds[key] += s
-            accepted[key] += a
-            steps[key] += n
+            tokens[key] += got_tokens
+            seconds[key] += got_s
+            accepted[key] += got_accepted
+            steps[key] += got_steps
         print(f"[{i + 1}/{len(items)}] {cat}", file=sys.stderr)
     cats = sorted({c for c, _ in items})
     print(

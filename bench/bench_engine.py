@@ -81,6 +81,7 @@ def run_llama_cpp(
     for ids in prompts:
         llm.reset()
         out = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, logits_processor=processors)
+        assert isinstance(out, dict)  # not streaming: one response
         tokens += out["usage"]["completion_tokens"]
     return tokens, time.perf_counter() - start
 

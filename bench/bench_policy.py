@@ -42,9 +42,12 @@ ADMIN_KEY = "bench-policy-admin"
 LEARNED_ARMS = ("learned", "rules")  # routed by the gateway's policy, not forced
 
 
-def split(reqs: list[datasets.BenchRequest], n_train: int) -> tuple[list, list]:
+def split(
+    reqs: list[datasets.BenchRequest], n_train: int
+) -> tuple[list[datasets.BenchRequest], list[datasets.BenchRequest]]:
     seen: dict[str, int] = defaultdict(int)
-    train, test = [], []
+    train: list[datasets.BenchRequest] = []
+    test: list[datasets.BenchRequest] = []
     for r in reqs:
         (train if seen[r.category] < n_train else test).append(r)
         seen[r.category] += 1

@@ -26,7 +26,7 @@ def _padded_rows(rows: int) -> int:
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -62,7 +62,9 @@ class PackedLinear(nn.Module):
             # oneDNN builds (and caches) a kernel per row count; rounding prefill chunks up to a
             # multiple of ROW_QUANTUM keeps the set of shapes, and first-use stalls, small.
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed_weight, self.bias, "none", [], ""
+        )
         return out[..., :rows, :] if padded != rows else out
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:

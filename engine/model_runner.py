@@ -96,10 +96,12 @@ class ModelRunner:
             self._captured = output
 
     def embed_tokens(self) -> torch.nn.Module:
-        return self.model.get_input_embeddings()
+        module: torch.nn.Module = self.model.get_input_embeddings()
+        return module
 
     def lm_head(self) -> torch.nn.Module:
-        return self.model.get_output_embeddings()
+        module: torch.nn.Module = self.model.get_output_embeddings()
+        return module
 
     def weight_of(self, module: torch.nn.Module) -> torch.Tensor:
         """A plain layer's weight (not a prepacked one: build the runner with pack_linears=False)."""

@@ -9,6 +9,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from specgate.policies.request import RequestInfo
 from specgate.policies.text_model import LinearTextModel
 
 
-def row_info(row: dict) -> RequestInfo:
+def row_info(row: dict[str, Any]) -> RequestInfo:
     """A labeled row as the request the gateway would have seen. Tools are kept as text only: the
     structural rule would classify them without the model, and the model must learn them too."""
     tools = row.get("tools") or []
@@ -31,17 +32,19 @@ def row_info(row: dict) -> RequestInfo:
     )
 
 
-def _xy(rows: list[dict]) -> tuple[list[str], list[dict[str, float]], list[str]]:
+def _xy(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, float]], list[str]]:
     infos = [row_info(r) for r in rows]
     return [i.classifier_text() for i in infos], [structural(i) for i in infos], [r["label"] for r in rows]
 
 
-def fit(rows: list[dict]) -> LinearTextModel:
+def fit(rows: list[dict[str, Any]]) -> LinearTextModel:
     texts, dense, labels = _xy(rows)
     return LinearTextModel.fit(texts, dense, labels, WORKLOAD_CLASSES)
 
 
-def split_by_group(rows: list[dict], test_share: float, seed: int) -> tuple[list[dict], list[dict]]:
+def split_by_group(
+    rows: list[dict[str, Any]], test_share: float, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Held-out split by source item, stratified by class: no rephrasing of a test prompt is trained on."""
     rng = random.Random(seed)
     test_groups: set[str] = set()
@@ -63,9 +66,9 @@ class Evaluation:
     n_train: int
     n_test: int
     ms_per_request: float  # median, text model path
-    errors: list[dict] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "accuracy": round(self.accuracy, 4),
             "public_accuracy": round(self.public_accuracy, 4),
@@ -85,7 +88,7 @@ class Evaluation:
         return "\n".join(lines)
 
 
-def evaluate(model: LinearTextModel, test: list[dict], n_train: int) -> Evaluation:
+def evaluate(model: LinearTextModel, test: list[dict[str, Any]], n_train: int) -> Evaluation:
     clf = WorkloadClassifier(model)
     confusion = np.zeros((len(WORKLOAD_CLASSES), len(WORKLOAD_CLASSES)), dtype=int)
     public_hits = public_n = 0
@@ -117,7 +120,9 @@ def evaluate(model: LinearTextModel, test: list[dict], n_train: int) -> Evaluati
     )
 
 
-def train_and_save(rows: list[dict], out: Path, seed: int = 0, test_share: float = 0.2) -> Evaluation:
+def train_and_save(
+    rows: list[dict[str, Any]], out: Path, seed: int = 0, test_share: float = 0.2
+) -> Evaluation:
     """Evaluate on a held-out split, then fit on every row and save the artifact with its report."""
     train, test = split_by_group(rows, test_share, seed)
     evaluation = evaluate(fit(train), test, len(train))

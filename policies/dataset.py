@@ -41,14 +41,16 @@ SPEC_BENCH = {
 MAX_PER_SOURCE = 300  # GSM8K and BFCL would otherwise swamp the small classes
 
 
-def _row(text: str, label: str, source: str, group: str, tools: list[dict[str, Any]] | None = None) -> dict:
+def _row(
+    text: str, label: str, source: str, group: str, tools: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     row: dict[str, Any] = {"text": text, "label": check_class(label), "source": source, "group": group}
     if tools:
         row["tools"] = tools
     return row
 
 
-def _spec_bench(path: Path) -> list[dict]:
+def _spec_bench(path: Path) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines():
         item = json.loads(line)
@@ -60,13 +62,13 @@ def _spec_bench(path: Path) -> list[dict]:
     return rows
 
 
-def _humaneval(path: Path) -> list[dict]:
+def _humaneval(path: Path) -> list[dict[str, Any]]:
     with gzip.open(path, "rt") as f:
         items = [json.loads(line) for line in f]
     return [_row(it["prompt"], "code", "humaneval", it["task_id"]) for it in items]
 
 
-def _gsm8k(path: Path, rng: random.Random) -> list[dict]:
+def _gsm8k(path: Path, rng: random.Random) -> list[dict[str, Any]]:
     items = [json.loads(line) for line in path.read_text().splitlines()]
     rng.shuffle(items)
     return [
@@ -75,7 +77,7 @@ def _gsm8k(path: Path, rng: random.Random) -> list[dict]:
     ]
 
 
-def _bfcl(directory: Path, rng: random.Random) -> list[dict]:
+def _bfcl(directory: Path, rng: random.Random) -> list[dict[str, Any]]:
     rows = []
     for name in ("simple_python", "multiple", "parallel"):
         for line in (directory / f"BFCL_v4_{name}.json").read_text().splitlines():
@@ -87,7 +89,7 @@ def _bfcl(directory: Path, rng: random.Random) -> list[dict]:
     return rows[:MAX_PER_SOURCE]
 
 
-def build(source: Path, seed: int = 0) -> list[dict]:
+def build(source: Path, seed: int = 0) -> list[dict[str, Any]]:
     """Labeled rows: the public prompts, then project-made variants of them and of each class."""
     rng = random.Random(seed)
     public = (
@@ -103,13 +105,13 @@ def build(source: Path, seed: int = 0) -> list[dict]:
     return public + made
 
 
-def save(rows: list[dict], path: Path = DEFAULT_DATASET) -> None:
+def save(rows: list[dict[str, Any]], path: Path = DEFAULT_DATASET) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def load(path: Path = DEFAULT_DATASET) -> list[dict]:
+def load(path: Path = DEFAULT_DATASET) -> list[dict[str, Any]]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

@@ -83,7 +83,8 @@ class ArmModel:
     def _standardize(self, x: np.ndarray) -> np.ndarray:
         # A linear model extrapolates without limit: inputs far outside the training range (a load
         # never seen) are held at its edge.
-        return np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)  # [n_features]
+        z: np.ndarray = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)  # [n_features]
+        return z
 
     def _moments(self, z: np.ndarray) -> tuple[float, float]:
         mu = float(z @ self.coef + self.intercept)
@@ -143,7 +144,9 @@ class ArmModel:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ArmModel:
-        arr = lambda v: np.asarray(v, dtype=np.float64)  # noqa: E731
+        def arr(v: Any) -> np.ndarray:
+            return np.asarray(v, dtype=np.float64)
+
         return cls(
             int(d["n_rows"]),
             arr(d["mean"]),

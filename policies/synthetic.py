@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
+from typing import Any
 
 Variant = tuple[str, str, str]  # (text, label, group)
 
@@ -261,7 +263,12 @@ def _first_sentence(text: str, limit: int = 240) -> str:
 
 
 def _reask(
-    rows: list[dict], label: str, templates: list[str], rng: random.Random, per_item: int, cut=lambda t: t
+    rows: list[dict[str, Any]],
+    label: str,
+    templates: list[str],
+    rng: random.Random,
+    per_item: int,
+    cut: Callable[[str], str] = lambda t: t,
 ) -> list[Variant]:
     out = []
     for row in (
@@ -274,7 +281,7 @@ def _reask(
     return out
 
 
-def variants(public: list[dict], rng: random.Random) -> list[Variant]:
+def variants(public: list[dict[str, Any]], rng: random.Random) -> list[Variant]:
     strip = lambda t: t.split(":", 1)[-1].strip()  # noqa: E731 - drop "Summarize:" / "Translate ...:"
     out: list[Variant] = []
     out += _reask(public, "summarization", SUMMARIZE, rng, 3, strip)

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ class Block:
         tf = np.fromiter((1.0 + math.log(c) for c in counts.values()), dtype=np.float64, count=len(counts))
         x = tf * self.idf[idx]  # [n_present]
         x /= np.linalg.norm(x)
-        return x @ self.weights[idx]  # [n_classes]
+        scores: np.ndarray = x @ self.weights[idx]  # [n_classes]
+        return scores
 
 
 @dataclass(slots=True)
@@ -72,7 +74,8 @@ class LinearTextModel:
         logits += np.array([dense[n] for n in self.dense_names]) @ self.dense_weights
         logits -= logits.max()
         p = np.exp(logits)
-        return p / p.sum()  # [n_classes]
+        probs: np.ndarray = p / p.sum()  # [n_classes]
+        return probs
 
     # ---- fitting ------------------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class LinearTextModel:
 
     # ---- artifact -----------------------------------------------------------------------------
 
-    def save(self, path: Path, metadata: dict) -> None:
+    def save(self, path: Path, metadata: dict[str, Any]) -> None:
         arrays: dict[str, np.ndarray] = {
             "classes": np.array(self.classes),
             "dense_names": np.array(self.dense_names, dtype=str),
@@ -136,7 +139,7 @@ class LinearTextModel:
             np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
 
     @classmethod
-    def load(cls, path: Path) -> tuple[LinearTextModel, dict]:
+    def load(cls, path: Path) -> tuple[LinearTextModel, dict[str, Any]]:
         with np.load(path, allow_pickle=False) as z:
             blocks = []
             for name in ANALYZERS:

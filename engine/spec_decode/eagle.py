@@ -101,12 +101,14 @@ class EagleProposer:
         positions = torch.arange(start, start + len(tokens), device=self.device)
         past = None if st.kv is None else (st.kv[0][:, :, :start], st.kv[1][:, :, :start])
         out, st.kv = self.head(embeds, features.unsqueeze(0), positions, past)
-        return out[0, -1]  # [hidden]
+        last: torch.Tensor = out[0, -1]  # [hidden]
+        return last
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Draft logits [1, vocab] for one predicted feature; -inf outside the draft vocabulary."""
         if self.draft_rows is None or self.draft_ids is None:
-            return self.lm_head(feature.unsqueeze(0)).float()[:, : self.vocab_size]
+            logits: torch.Tensor = self.lm_head(feature.unsqueeze(0)).float()[:, : self.vocab_size]
+            return logits
         sub = (self.draft_rows @ feature).float()  # [n_draft]
         full = sub.new_full((1, self.vocab_size), float("-inf"))
         full[0, self.draft_ids] = sub

@@ -135,7 +135,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -175,4 +176,5 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Predicted features f_{i+1} [b, t, hidden], and the keys / values with these positions added."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        return self.layers[0](x, positions, past)
+        out: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = self.layers[0](x, positions, past)
+        return out

@@ -27,7 +27,8 @@ def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]
             # the text (in a repeating stretch it always does): then take the latest full-length one.
             available = np.minimum(k, length - hits - n)  # [num_hits]
             start = int(hits[available == available.max()][-1]) + n
-            return tokens[start : start + k].tolist()
+            draft: list[int] = tokens[start : start + k].tolist()
+            return draft
     return []
 
 

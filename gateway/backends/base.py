@@ -52,30 +52,6 @@ class BackendCall:
         return bool(self.request.stream)
 
 
-class BackendError(Exception):
-    """A backend could not serve a call. `retryable` failures may go to another attempt or backend."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        retryable: bool = False,
-        retry_after: float | None = None,
-        param: str | None = None,
-        error_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.retryable = retryable
-        self.retry_after = retry_after
-        self.param = param
-        self.error_type = error_type
-
-
 class Backend(Protocol):
     name: str
 
@@ -97,7 +73,7 @@ class Backend(Protocol):
         ...
 
     def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
-        """OpenAI chunk bodies, in order. Failures before the first chunk raise `BackendError`."""
+        """OpenAI chunk bodies, in order. Failures before the first chunk raise `GatewayError`."""
         ...
 
     def status(self) -> dict[str, Any]:

@@ -26,9 +26,10 @@ from typing import Any
 
 import httpx2
 
-from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
 from specgate.gateway.backends.upstream_stats import capture
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import BackendSettings
 
 logger = logging.getLogger("specgate.backend")
@@ -134,14 +135,14 @@ class OpenAIBackend:
         return body
 
     async def _send(self, call: BackendCall) -> httpx2.Response:
-        """One response with a 2xx status, after retries; raises BackendError otherwise."""
+        """One response with a 2xx status, after retries; raises GatewayError otherwise."""
         s = self.settings
         url = f"{s.base_url}{_PATHS[call.kind]}"
         payload = self._payload(call)
-        last: BackendError | None = None
+        last: GatewayError | None = None
         for attempt in range(s.max_retries + 1):
             if not self.breaker.allow(owner=call):
-                raise BackendError(
+                raise GatewayError(
                     503,
                     f"backend {self.name} is unavailable (circuit open)",
                     retryable=True,
@@ -155,12 +156,12 @@ class OpenAIBackend:
                 response = await self.client.send(request, stream=True)
             except httpx2.PoolTimeout:
                 # Our own pool is full: no verdict on the backend, so the breaker is left alone.
-                raise BackendError(
+                raise GatewayError(
                     503, "the gateway's connection pool is exhausted", code="gateway_busy", retryable=True
                 ) from None
             except (httpx2.TransportError, OSError) as exc:
                 self.breaker.record_failure()
-                last = BackendError(
+                last = GatewayError(
                     503, f"backend {self.name} is unreachable ({type(exc).__name__})", retryable=True
                 )
             else:
@@ -169,7 +170,7 @@ class OpenAIBackend:
                 if response.status_code in (401, 403):
                     await response.aclose()
                     # Our credentials for it are wrong: another backend may serve; never echo its text.
-                    raise BackendError(
+                    raise GatewayError(
                         502,
                         f"backend {self.name} refused the gateway's credentials ({response.status_code})",
                         code="upstream_auth_failed",
@@ -218,12 +219,12 @@ class OpenAIBackend:
             body = _json_object(raw, response.headers.get("content-type", ""))
         except (httpx2.TransportError, TimeoutError) as exc:
             self.breaker.record_failure()
-            raise BackendError(
+            raise GatewayError(
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
             ) from exc
         except _Malformed as exc:
             self.breaker.record_failure()
-            raise BackendError(
+            raise GatewayError(
                 502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
             ) from None
         finally:
@@ -262,7 +263,7 @@ class OpenAIBackend:
                 if "error" in chunk:
                     err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
                     code = err.get("code")
-                    raise BackendError(
+                    raise GatewayError(
                         502,
                         f"backend {self.name}: {_text(err.get('message', 'error'))}",
                         code=code if isinstance(code, str) else None,
@@ -277,17 +278,17 @@ class OpenAIBackend:
             self.probe_ok = True
         except TimeoutError:
             self.breaker.record_failure()
-            raise BackendError(
+            raise GatewayError(
                 504, f"backend {self.name} sent no data in time", code="timeout", retryable=True
             ) from None
         except _Malformed as exc:
             self.breaker.record_failure()
-            raise BackendError(
+            raise GatewayError(
                 502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
             ) from None
         except httpx2.TransportError as exc:
             self.breaker.record_failure()
-            raise BackendError(
+            raise GatewayError(
                 503, f"backend {self.name} failed mid-stream ({type(exc).__name__})", retryable=True
             ) from exc
         finally:
@@ -395,7 +396,7 @@ async def _sse_data(response: httpx2.Response, max_line: int) -> AsyncIterator[s
         yield "\n".join(lines)
 
 
-async def _error_from(response: httpx2.Response, name: str, limit: int) -> BackendError:
+async def _error_from(response: httpx2.Response, name: str, limit: int) -> GatewayError:
     status = response.status_code
     try:
         raw = await _read_capped(response, min(limit, 1 << 20))
@@ -417,14 +418,14 @@ async def _error_from(response: httpx2.Response, name: str, limit: int) -> Backe
     etype = etype[:64] if isinstance(etype, str) else None
     retry_after = _retry_after(response.headers.get("retry-after"))
     retryable = status == 429 or status >= 500
-    return BackendError(
+    return GatewayError(
         status if 400 <= status <= 599 else 502,
         message,
         code=code[:64] if isinstance(code, str) else None,
         param=param,
         retryable=retryable,
         retry_after=retry_after,
-        error_type=etype,
+        type=etype,
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 
 MAX_BUCKETS = 65_536  # limiter state is bounded: least recently seen keys are forgotten first
 
@@ -47,8 +47,8 @@ def check_key(presented: str | None, accepted: list[str]) -> bool:
     return ok
 
 
-def unauthorized(message: str = "Incorrect API key provided.") -> APIError:
-    return APIError(401, message, code="invalid_api_key")
+def unauthorized(message: str = "Incorrect API key provided.") -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -134,7 +134,7 @@ class RateLimiter:
     def check(self, key: str, now: float | None = None) -> None:
         wait = self.take(key, now)
         if wait:
-            raise APIError(
+            raise GatewayError(
                 429,
                 f"Rate limit reached: {self.rpm} requests per minute.",
                 code="rate_limit_exceeded",

@@ -27,7 +27,7 @@ def _no_constants(name: str) -> Any:
 
 
 def loads(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or an APIError (400) saying what is wrong with it."""
+    """The body as a JSON object, or an GatewayError (400) saying what is wrong with it."""
     try:
         data = json.loads(raw, parse_constant=_no_constants)
     except RecursionError:

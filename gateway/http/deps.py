@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from specgate.gateway.http.auth import bearer_token, check_key, key_id, unauthorized
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.services import Services
 
 
@@ -49,7 +49,7 @@ ApiKeyDep = Annotated[str | None, Depends(api_key)]
 async def admin_key(request: Request, svc: ServicesDep) -> None:
     key = svc.settings.admin_key
     if key is None:
-        raise APIError(
+        raise GatewayError(
             403, "The admin API is disabled: set an admin key to enable it.", code="admin_disabled"
         )
     token = bearer_token(request)
@@ -58,7 +58,7 @@ async def admin_key(request: Request, svc: ServicesDep) -> None:
     if check_key(token, [key.get_secret_value()]):
         return
     if check_key(token, [k.get_secret_value() for k in svc.settings.api_keys]):
-        raise APIError(403, "This API key may call /v1 but not the admin API.", code="forbidden")
+        raise GatewayError(403, "This API key may call /v1 but not the admin API.", code="forbidden")
     raise unauthorized("Incorrect admin key provided.")
 
 

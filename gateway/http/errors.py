@@ -1,14 +1,13 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+"""Errors on the wire: GatewayError rendered as a response, pydantic's errors as one GatewayError,
+and the app's exception handlers.
 
-Every failure leaves the gateway in this shape; an unexpected exception is logged with its traceback
-and answered with a generic 500 body that carries no internals.
+Every failure leaves the gateway OpenAI-shaped; an unexpected exception is logged with its
+traceback and answered with a generic 500 body that carries no internals.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -19,67 +18,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from specgate.gateway.http.responses import SafeJSONResponse
+from specgate.gateway.protocol.errors import GatewayError, invalid
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return SafeJSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
 
 logger = logging.getLogger("specgate.gateway")
 MAX_PARAM = 200  # a parameter path or message fragment echoed back is cut here
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _MEMBER = re.compile(r"[\[\]-]")  # union members: list[int], constrained-str, function-after[...]
 _TYPES_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-MAX_RETRY_AFTER = 3600.0
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    502: "server_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        type: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        wait = self.retry_after
-        if wait is None or not math.isfinite(wait):
-            return {} if wait is None else {"retry-after": str(int(MAX_RETRY_AFTER))}
-        return {"retry-after": str(int(min(MAX_RETRY_AFTER, max(1.0, round(wait)))))}
-
-    def response(self) -> JSONResponse:
-        return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers())
-
-    def sse_event(self) -> bytes:
-        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _param(loc: Sequence[Any]) -> str | None:
@@ -100,7 +50,7 @@ def _param(loc: Sequence[Any]) -> str | None:
     return ".".join(keep)[:MAX_PARAM] or None
 
 
-def validation_error(errors: Sequence[Any]) -> APIError:
+def validation_error(errors: Sequence[Any]) -> GatewayError:
     """pydantic's error list as one 400 naming the first offending parameter (dotted path)."""
     if not errors:
         return invalid("invalid request body")
@@ -120,7 +70,7 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return invalid(f"invalid value for {param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-def _note(request: Request, error: APIError) -> None:
+def _note(request: Request, error: GatewayError) -> None:
     """The request's record (inference routes) learns the error code; the middleware submits it."""
     record = getattr(request.state, "record", None)
     if record is not None and record.error_code is None:
@@ -129,9 +79,9 @@ def _note(request: Request, error: APIError) -> None:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
+        assert isinstance(exc, GatewayError)
         _note(request, exc)
-        return exc.response()
+        return error_response(exc)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -139,22 +89,22 @@ def install_error_handlers(app: FastAPI) -> None:
         if request.url.path.startswith("/admin/"):
             error.status = 422  # the admin API speaks FastAPI's dialect; /v1 speaks OpenAI's (400)
         _note(request, error)
-        return error.response()
+        return error_response(error)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = "not_found" if exc.status_code == 404 else None
-        error = APIError(exc.status_code, str(exc.detail), code=code)
+        error = GatewayError(exc.status_code, str(exc.detail), code=code)
         _note(request, error)
-        return error.response()
+        return error_response(error)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        error = APIError(500, "internal server error", code="internal_error")
+        error = GatewayError(500, "internal server error", code="internal_error")
         _note(request, error)
-        return error.response()
+        return error_response(error)
 
-    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(GatewayError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)

@@ -20,7 +20,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specgate.gateway.http.auth import client_address, parse_networks
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.http.errors import error_response
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.telemetry.records import RequestRecord
 
 logger = logging.getLogger("specgate.gateway")
@@ -29,7 +30,7 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
 
 
-class BodyTooLarge(APIError):
+class BodyTooLarge(GatewayError):
     def __init__(self, limit: int) -> None:
         super().__init__(
             413, f"Request body too large: the limit is {limit} bytes.", code="request_too_large"
@@ -113,10 +114,10 @@ class GatewayMiddleware:
                 raise
             error = (
                 exc
-                if isinstance(exc, APIError)
-                else APIError(500, "internal server error", code="internal_error")
+                if isinstance(exc, GatewayError)
+                else GatewayError(500, "internal server error", code="internal_error")
             )
-            if not isinstance(exc, APIError):
+            if not isinstance(exc, GatewayError):
                 logger.exception("unhandled error on %s", scope.get("path"))
             if record is not None and record.error_code is None:
                 record.error_code = error.code
@@ -136,16 +137,16 @@ class GatewayMiddleware:
                     services.complete(record, status, escaped)
 
     @staticmethod
-    async def _send_error(error: APIError, send: Any) -> None:
-        response = error.response()
+    async def _send_error(error: GatewayError, send: Any) -> None:
+        response = error_response(error)
         await send(
             {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
         )
         await send({"type": "http.response.body", "body": response.body})
 
 
-def _too_many_refusals(retry_after: float) -> APIError:
-    return APIError(
+def _too_many_refusals(retry_after: float) -> GatewayError:
+    return GatewayError(
         429,
         "Too many refused requests (bad keys or oversized bodies) from this address; slow down.",
         code="rate_limit_exceeded",

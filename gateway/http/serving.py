@@ -15,10 +15,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from specgate.gateway.backends.base import Backend, BackendCall, BackendError, Kind, Observation
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.backends.base import Backend, BackendCall, Kind, Observation
 from specgate.gateway.http.responses import SafeJSONResponse
 from specgate.gateway.http.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing import dispatch
 from specgate.gateway.services import Services
@@ -72,8 +72,8 @@ async def handle(
     except ClientDisconnected:
         rec.outcome = "cancelled"
         return Response(status_code=499)
-    except BackendError as err:
-        raise dispatch.to_api_error(err, svc.settings.retry_after_seconds) from None
+    except GatewayError as err:
+        raise err.for_client(svc.settings.retry_after_seconds) from None
     finally:
         if not streaming:
             _close(rec, call)
@@ -97,8 +97,8 @@ async def _events(
             yield sse(chunk)
             chunk = await anext(rest, None)
         yield DONE
-    except BackendError as err:
-        error = dispatch.to_api_error(err, svc.settings.retry_after_seconds)
+    except GatewayError as err:
+        error = err.for_client(svc.settings.retry_after_seconds)
         rec.outcome, rec.error_code = "error", error.code or "backend_error"
         logger.warning("stream %s failed after it started: %s", rec.request_id, err.message)
         yield error.sse_event()
@@ -108,7 +108,7 @@ async def _events(
     except Exception:
         logger.exception("stream %s failed after it started", rec.request_id)
         rec.outcome, rec.error_code = "error", "internal_error"
-        yield APIError(500, "internal server error", code="internal_error").sse_event()
+        yield GatewayError(500, "internal server error", code="internal_error").sse_event()
     finally:
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:

@@ -11,24 +11,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from specgate.gateway.backends.base import Backend, BackendCall, BackendError
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.backends.base import Backend, BackendCall
+from specgate.gateway.protocol.errors import GatewayError
 
 logger = logging.getLogger("specgate.gateway")
-
-
-def to_api_error(err: BackendError, default_retry_after: float) -> APIError:
-    retry_after = err.retry_after
-    if err.status in (429, 503) and retry_after is None:
-        retry_after = default_retry_after
-    return APIError(
-        err.status,
-        err.message,
-        code=err.code,
-        param=err.param,
-        type=err.error_type,
-        retry_after=retry_after if err.status in (429, 503) else None,
-    )
 
 
 def _ordered(candidates: list[Backend]) -> list[Backend]:
@@ -36,17 +22,17 @@ def _ordered(candidates: list[Backend]) -> list[Backend]:
     return [b for b in candidates if b.healthy] + [b for b in candidates if not b.healthy]
 
 
-def _exhausted(errors: list[BackendError]) -> BackendError:
+def _exhausted(errors: list[GatewayError]) -> GatewayError:
     if errors and all(e.status == 429 for e in errors):
         waits = [e.retry_after for e in errors if e.retry_after is not None]
-        return BackendError(
+        return GatewayError(
             429, errors[-1].message, code="rate_limit_exceeded", retry_after=min(waits) if waits else None
         )
     if len(errors) == 1:
         return errors[0]
     detail = "; ".join(e.message for e in errors)
     waits = [e.retry_after for e in errors if e.retry_after is not None]
-    return BackendError(
+    return GatewayError(
         503,
         f"no backend could serve the request: {detail}",
         code="backends_unavailable",
@@ -55,12 +41,12 @@ def _exhausted(errors: list[BackendError]) -> BackendError:
 
 
 async def complete(call: BackendCall, candidates: list[Backend]) -> tuple[dict[str, Any], Backend]:
-    errors: list[BackendError] = []
+    errors: list[GatewayError] = []
     for backend in _ordered(candidates):
         call.observed.backend = backend.name
         try:
             return await backend.complete(call), backend
-        except BackendError as err:
+        except GatewayError as err:
             if not err.retryable:
                 raise
             logger.info(
@@ -74,16 +60,16 @@ async def open_stream(
     call: BackendCall, candidates: list[Backend]
 ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]], Backend]:
     """The first chunk, the rest of the stream, and the backend that produced them."""
-    errors: list[BackendError] = []
+    errors: list[GatewayError] = []
     for backend in _ordered(candidates):
         call.observed.backend = backend.name
         stream = aiter(backend.stream(call))
         try:
             first = await anext(stream)
         except StopAsyncIteration:
-            errors.append(BackendError(502, f"backend {backend.name} sent an empty stream", retryable=True))
+            errors.append(GatewayError(502, f"backend {backend.name} sent an empty stream", retryable=True))
             continue
-        except BackendError as err:
+        except GatewayError as err:
             await _close(stream)
             if not err.retryable:
                 raise

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import PolicySettings
 from specgate.gateway.telemetry.policy_store import PolicyStore, Version
 from specgate.policies.decision import Decision, DecisionContext, Policy
@@ -91,7 +91,7 @@ class PolicyManager:
         async with self._lock:
             row = await asyncio.to_thread(self.store.get, version)
             if row is None:
-                raise APIError(404, f"policy version {version} does not exist", code="version_not_found")
+                raise GatewayError(404, f"policy version {version} does not exist", code="version_not_found")
             state = PolicyState.from_dict(row["artifact"])
             return await asyncio.to_thread(
                 self._add_active, state, "rollback", f"rollback to version {version}"
@@ -110,7 +110,7 @@ class PolicyManager:
 
     async def retrain(self, force: bool = False, window_hours: float | None = None) -> dict[str, Any]:
         if not self.persistent:
-            raise APIError(
+            raise GatewayError(
                 409, "retraining needs telemetry: it is disabled on this gateway", code="no_telemetry"
             )
         hours = window_hours or self.settings.train_window_hours
@@ -121,7 +121,7 @@ class PolicyManager:
                     retrain, rows, self.state.rules, self.state, self.settings.holdout_share, force
                 )
             except InsufficientData as exc:
-                raise APIError(409, str(exc), code="insufficient_telemetry") from exc
+                raise GatewayError(409, str(exc), code="insufficient_telemetry") from exc
             values = self._values(
                 result.state,
                 "retrain",
@@ -164,7 +164,7 @@ class PolicyManager:
             await asyncio.sleep(self.settings.retrain_interval)
             try:
                 await self.retrain()
-            except APIError as exc:
+            except GatewayError as exc:
                 logger.info("scheduled retrain skipped: %s", exc.message)
             except Exception:
                 logger.exception("scheduled retrain failed")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specgate.gateway.backends.registry import BackendRegistry
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.settings import Settings, SpecSettings
 from specgate.policies.load import LoadSignals
@@ -83,7 +83,7 @@ def candidate_backends(settings: Settings, registry: BackendRegistry, model: str
     else:
         names, reason = [b.name for b in registry.serving(model)], "backends serving the model"
     if not names:
-        raise APIError(
+        raise GatewayError(
             404,
             f"The model `{model}` does not exist or is not served here.",
             code="model_not_found",
@@ -108,7 +108,7 @@ def requested_spec(
     assert request.spec is not None
     method = request.spec.method
     if method is not None and method not in allowed:
-        raise APIError(
+        raise GatewayError(
             400,
             f"speculation method {method!r} is not allowed here; allowed: {', '.join(sorted(allowed))}",
             param="spec.method",
@@ -118,4 +118,4 @@ def requested_spec(
     try:
         return SpecSettings(**{**base.model_dump(), **overrides})
     except ValueError as exc:
-        raise APIError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc
+        raise GatewayError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc

@@ -16,11 +16,12 @@ from specgate.engine.loader import resolve_model
 from specgate.engine.outputs import RequestOutput, TokenLogprob
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.engine.spec_decode.proposers import proposer_factory, proposer_names
-from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
 from specgate.gateway.backends.embedded.tools import ToolCallParser
 from specgate.gateway.backends.embedded.worker import EngineUnavailable, EngineWorker
 from specgate.gateway.protocol import openai_format as fmt
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import EmbeddedSettings
 
 logger = logging.getLogger("specgate.embedded")
@@ -160,9 +161,9 @@ class EmbeddedBackend:
                 msg = "the embedded model is still loading"
             else:
                 msg = "the embedded model failed to load"
-            raise BackendError(503, msg, code="model_not_ready", retryable=True, retry_after=2)
+            raise GatewayError(503, msg, code="model_not_ready", retryable=True, retry_after=2)
         if w.num_waiting >= self.settings.max_waiting:
-            raise BackendError(
+            raise GatewayError(
                 503, "the embedded engine is overloaded", code="overloaded", retryable=True, retry_after=1
             )
         return w
@@ -188,7 +189,7 @@ class EmbeddedBackend:
         try:
             proposer_factory(s.method)
         except ValueError as exc:
-            raise BackendError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
+            raise GatewayError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
         params = SpecParams(s.method, s.controller, s.k_min, s.k_max, s.num_speculative_tokens)
         if s.acceptance_prior is not None:
             params.acceptance_prior = s.acceptance_prior
@@ -201,17 +202,17 @@ class EmbeddedBackend:
                 item = await q.get()
                 if isinstance(item, EngineUnavailable):
                     finished = True
-                    raise BackendError(
+                    raise GatewayError(
                         503, str(item), code="engine_restarting", retryable=True, retry_after=2
                     )
                 if isinstance(item, BaseException):
                     finished = True
                     status = 400 if isinstance(item, ValueError) else 500
                     code = getattr(item, "code", "engine_error")
-                    raise BackendError(status, str(item), code=code)
+                    raise GatewayError(status, str(item), code=code)
                 if item.error is not None:
                     finished = True
-                    raise BackendError(
+                    raise GatewayError(
                         500, f"the engine failed this request: {item.error}", code="engine_error"
                     )
                 if call.observed.first_token_time is None and item.new_token_ids:

@@ -11,8 +11,9 @@ from typing import Any
 
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.gateway.backends.base import BackendCall, BackendError
+from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import normalize_messages, render_chat
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -40,8 +41,8 @@ def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
 
 
-def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> BackendError:
-    return BackendError(400, message, code=code, param=param)
+def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> GatewayError:
+    return GatewayError(400, message, code=code, param=param)
 
 
 def prepare(call: BackendCall, engine: Engine) -> Prepared:
@@ -59,7 +60,7 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
         rid, param = f"cmpl-{call.request_id}", "prompt"
     vocab = engine.runner.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
-        raise BackendError(
+        raise GatewayError(
             400,
             f"stop_token_ids must be in [0, {vocab}) for this model",
             code="invalid_value",
@@ -69,7 +70,7 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
         asked = f" + {limit} completion" if limit is not None else ""
-        raise BackendError(
+        raise GatewayError(
             400,
             f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
             f"{len(prompt_ids)} prompt{asked} tokens. Please reduce the length of the {param} or completion.",
@@ -95,7 +96,7 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
             logprobs=logprobs,
         )
     except ValueError as exc:
-        raise BackendError(400, str(exc), code="invalid_value") from exc
+        raise GatewayError(400, str(exc), code="invalid_value") from exc
     return Prepared(prompt_ids, params, rid, logprobs, tools, echo)
 
 
@@ -108,9 +109,9 @@ def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> tuple[list[int],
         messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)
         ids = render_chat(tok, messages, tools)
     except ValueError as exc:
-        raise BackendError(400, str(exc), code="invalid_value", param="messages") from exc
+        raise GatewayError(400, str(exc), code="invalid_value", param="messages") from exc
     except Exception as exc:  # jinja errors: the template rejected this conversation
-        raise BackendError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        raise GatewayError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return ids, bool(req.tools) and req.tool_choice != "none"
 
 
@@ -128,14 +129,14 @@ def _completion_prompt(req: CompletionRequest, engine: Engine) -> tuple[list[int
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise BackendError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+            raise GatewayError(400, "prompt must not be empty", code="invalid_value", param="prompt")
         ids = list(engine.tokenizer.encode(prompt))
         text = prompt
     else:
         ids = [int(t) for t in prompt]
         vocab = engine.runner.vocab_size
         if not ids or min(ids) < 0 or max(ids) >= vocab:
-            raise BackendError(
+            raise GatewayError(
                 400, f"prompt token ids must be in [0, {vocab})", code="invalid_value", param="prompt"
             )
         text = engine.tokenizer.decode(ids) if req.echo else ""

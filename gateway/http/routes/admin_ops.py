@@ -10,8 +10,8 @@ from fastapi import APIRouter, Query, Request
 
 from specgate.gateway.http.body import parse_admin
 from specgate.gateway.http.deps import AdminDep, ServicesDep
-from specgate.gateway.http.errors import APIError
 from specgate.gateway.http.openapi import json_body
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.telemetry.stats import window_stats
@@ -40,7 +40,7 @@ async def stats(
     window: Annotated[float, Query(gt=0, le=24 * 365, description="hours back from now")] = 24.0,
 ) -> dict[str, Any]:
     if svc.store is None:
-        raise APIError(409, "telemetry is disabled on this gateway", code="no_telemetry")
+        raise GatewayError(409, "telemetry is disabled on this gateway", code="no_telemetry")
     since = dt.datetime.now(dt.UTC) - dt.timedelta(hours=window)
     out = await asyncio.to_thread(window_stats, svc.store.engine, since)
     out["window_hours"] = window

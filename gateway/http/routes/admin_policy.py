@@ -8,9 +8,9 @@ from fastapi import APIRouter, Path, Query, Request
 
 from specgate.gateway.http import body
 from specgate.gateway.http.deps import AdminDep, ServicesDep
-from specgate.gateway.http.errors import APIError
 from specgate.gateway.http.openapi import json_body
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.services import Services
 from specgate.policies.rules import RuleConfig
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/admin/policy", tags=["admin"])
 
 def _manager(svc: Services) -> PolicyManager:
     if svc.policy is None:
-        raise APIError(
+        raise GatewayError(
             409,
             "the routing policy is disabled on this gateway (policy.enabled=false)",
             code="policy_disabled",
@@ -46,10 +46,10 @@ async def put_policy(request: Request, svc: ServicesDep, _: AdminDep) -> dict[st
     try:
         rules = manager.state.rules.merged(patch.changes())
     except (TypeError, ValueError) as exc:
-        raise APIError(422, f"invalid policy: {exc}", code="invalid_value") from exc
+        raise GatewayError(422, f"invalid policy: {exc}", code="invalid_value") from exc
     unknown = _unknown_methods(svc, rules)
     if unknown:
-        raise APIError(
+        raise GatewayError(
             422, f"invalid policy: unknown speculation method(s) {', '.join(unknown)}", code="invalid_value"
         )
     version = await manager.update_rules(rules, patch.note)

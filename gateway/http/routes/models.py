@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from specgate.gateway.http.deps import ApiKeyDep, ServicesDep
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 
 router = APIRouter()
 
@@ -26,5 +26,5 @@ async def list_models(svc: ServicesDep, key: ApiKeyDep) -> dict[str, Any]:
 async def get_model(model: str, svc: ServicesDep, key: ApiKeyDep) -> dict[str, Any]:
     backends = svc.registry.models().get(model)
     if backends is None:
-        raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        raise GatewayError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
     return _card(model, backends, svc.created)

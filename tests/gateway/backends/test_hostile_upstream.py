@@ -137,8 +137,9 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
 
     import httpx2
 
-    from specgate.gateway.backends.base import BackendCall, BackendError
+    from specgate.gateway.backends.base import BackendCall
     from specgate.gateway.backends.openai_http import OpenAIBackend
+    from specgate.gateway.protocol.errors import GatewayError
     from specgate.gateway.protocol.schemas import ChatCompletionRequest
 
     async def run() -> tuple[int, int]:
@@ -155,7 +156,7 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
         await asyncio.sleep(0.2)
         try:
             await b.complete(call())
-        except BackendError as err:
+        except GatewayError as err:
             status = err.status
         holder.cancel()
         await client.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specgate.gateway.http.auth import RateLimiter, check_key, key_id
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 
 
 def test_check_key() -> None:
@@ -21,12 +21,12 @@ def test_rate_limiter_bursts_then_refills() -> None:
     limiter = RateLimiter(rpm=60)  # one per second, bursts of 10
     for _ in range(10):
         limiter.check("k", now=100.0)
-    with pytest.raises(APIError) as exc:
+    with pytest.raises(GatewayError) as exc:
         limiter.check("k", now=100.0)
     assert exc.value.status == 429 and exc.value.retry_after == 1
     limiter.check("other", now=100.0)  # buckets are per key
     limiter.check("k", now=101.0)  # one second refills one request
-    with pytest.raises(APIError):
+    with pytest.raises(GatewayError):
         limiter.check("k", now=101.5)
 
 

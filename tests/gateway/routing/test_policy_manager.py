@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert
 
-from specgate.gateway.http.errors import APIError
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.settings import PolicySettings
 from specgate.gateway.telemetry import schema
@@ -62,12 +62,12 @@ def test_fresh_install_then_warm_start(engine) -> None:  # type: ignore[no-untyp
 def test_retrain_refusals(engine) -> None:  # type: ignore[no-untyped-def]
     manager = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
     manager.load()
-    with pytest.raises(APIError) as err:
+    with pytest.raises(GatewayError) as err:
         asyncio.run(manager.retrain())
     assert err.value.status == 409 and err.value.code == "insufficient_telemetry"
     memory = PolicyManager(PolicySettings(), MemoryPolicyStore(), persistent=False)
     memory.load()
-    with pytest.raises(APIError) as err:
+    with pytest.raises(GatewayError) as err:
         asyncio.run(memory.retrain())
     assert err.value.code == "no_telemetry"
     assert [v["source"] for v in memory.versions()] == ["default"]
