@@ -43,6 +43,25 @@ logger = logging.getLogger("specgate.engine")
 
 
 @dataclass(slots=True)
+class _Step:
+    """One step's working set, handed from phase to phase."""
+
+    batch: list[ScheduledSequence]
+    drafts: list[Proposal]  # per sequence (empty for most)
+    samples: list[bool]  # per sequence: whether it emits a token this step
+    items: list[ForwardItem]
+    feeds: list[Proposer | None]  # per sequence: its proposer if it drafts from hidden states
+    scheduled_at: float  # time.monotonic()
+    started: float = 0.0  # time.perf_counter() at the forward pass
+    logits: torch.Tensor | None = None  # [sum of num_logits, vocab]
+    hidden: list[torch.Tensor] | None = None  # per item [len(token_ids), hidden_size]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(it.token_ids) for it in self.items)
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_waiting: int
     num_running: int
@@ -197,73 +216,100 @@ class Engine:
         )
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> propose -> forward -> verify -> postprocess."""
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        now = time.monotonic()
+        step = self._plan(batch, outputs)
+        if step is None or not self._forward(step, outputs):
+            return outputs
+        self._verify(step)
+        return self._postprocess(step, outputs)
+
+    # ---- the phases of a step ----------------------------------------------------------------
+
+    def _plan(self, batch: list[ScheduledSequence], outputs: list[RequestOutput]) -> _Step | None:
+        """Drafts for the speculating sequences (KV room reserved), and the forward items."""
         drafts = self._propose(batch)
         batch, drafts = self._drop_failed(batch, drafts, outputs)
         if not batch:
-            return outputs
-        samples = [s.samples for s in batch]  # decided before the step advances any sequence
-        items = [self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)]
-        feeds = [self._feature_proposer(s.seq) for s in batch]
-        t0 = time.perf_counter()
+            return None
+        return _Step(
+            batch=batch,
+            drafts=drafts,
+            samples=[s.samples for s in batch],  # decided before the step advances any sequence
+            items=[self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)],
+            feeds=[self._feature_proposer(s.seq) for s in batch],
+            scheduled_at=time.monotonic(),
+        )
+
+    def _forward(self, step: _Step, outputs: list[RequestOutput]) -> bool:
+        """One target pass over every item; False (its sequences failed) if the pass raised."""
+        step.started = time.perf_counter()
         try:
-            logits, hidden = self.runner.execute_with_hidden(items, any(feeds))  # [sum of num_logits, vocab]
+            step.logits, step.hidden = self.runner.execute_with_hidden(step.items, any(step.feeds))
         except Exception as exc:
             # Nothing of this pass can be trusted: its sequences fail, the waiting ones go on.
             self.consecutive_forward_failures += 1
-            logger.exception("forward pass over %d sequences failed", len(batch))
-            for s in batch:
+            logger.exception("forward pass over %d sequences failed", len(step.batch))
+            for s in step.batch:
                 self._fail(s.seq, f"the forward pass failed ({type(exc).__name__})")
-            outputs.extend(self._output(s.seq) for s in batch)
-            return outputs
+            outputs.extend(self._output(s.seq) for s in step.batch)
+            return False
         self.consecutive_forward_failures = 0
-        if hidden is not None:
-            for s, it, feed, h, sampled in zip(batch, items, feeds, hidden, samples, strict=True):
+        if step.hidden is not None:
+            for s, it, feed, h, sampled in zip(
+                step.batch, step.items, step.feeds, step.hidden, step.samples, strict=True
+            ):
                 if feed is not None and not sampled:  # a prefill chunk: every position is the prompt's
                     self._guard(
                         s.seq, "reading target features", feed.observe_hidden, s.seq.request_id, it.start, h
                     )
+        return True
+
+    def _verify(self, step: _Step) -> None:
+        """Sample, or verify the drafts of, every sequence that emits this step."""
+        assert step.logits is not None
         rows: list[SamplingRow] = []
         blocks: list[tuple[int, slice]] = []  # per emitting sequence: its rows
-        for i, (s, d, sampled) in enumerate(zip(batch, drafts, samples, strict=True)):
+        for i, (s, d, sampled) in enumerate(zip(step.batch, step.drafts, step.samples, strict=True)):
             if sampled:
                 first = len(rows)
                 rows.extend(self._sampling_row(s.seq, d.token_ids[:j]) for j in range(len(d.token_ids) + 1))
                 blocks.append((i, slice(first, len(rows))))
-        processed, usable = self._process(batch, logits, rows, blocks)
-        for s in batch:
+        processed, usable = self._process(step.batch, step.logits, rows, blocks)
+        for s in step.batch:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             seq.stats.num_steps += 1
             if seq.stats.first_scheduled_time is None:
-                seq.stats.first_scheduled_time = now
+                seq.stats.first_scheduled_time = step.scheduled_at
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 seq.stats.num_prefill_chunks += 1
         done = time.monotonic()
-        num_tokens = sum(len(it.token_ids) for it in items)
-        step = (num_tokens, (time.perf_counter() - t0) * 1e3)  # batch tokens, forward ms: for telemetry
+        timing = (step.num_tokens, (time.perf_counter() - step.started) * 1e3)  # for telemetry
         for i, block in blocks:
-            seq = batch[i].seq
+            seq = step.batch[i].seq
             if seq.is_finished:
                 continue  # failed while its logits were processed
             if not all(usable[block]):
                 self._fail(seq, "the model produced no finite logits for this request")
                 continue
             handoff = None
-            proposer = feeds[i]
-            if hidden is not None and proposer is not None:
-                handoff = (proposer, items[i].start, hidden[i])
-            args = (drafts[i], logits[block], processed[block], rows[block], done, step, handoff)
+            proposer = step.feeds[i]
+            if step.hidden is not None and proposer is not None:
+                handoff = (proposer, step.items[i].start, step.hidden[i])
+            args = (step.drafts[i], step.logits[block], processed[block], rows[block], done, timing, handoff)
             self._guard(seq, "sampling", self._emit, seq, *args)
+
+    def _postprocess(self, step: _Step, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's cost for the controllers, and the outputs of sequences that moved."""
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
-        context = _mean_context((it.start, len(it.token_ids)) for it in items)
-        self.cost_model.observe_forward(num_tokens, time.perf_counter() - t0, context)
-        for s in batch:
+        context = _mean_context((it.start, len(it.token_ids)) for it in step.items)
+        self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, context)
+        for s in step.batch:
             seq = s.seq
             if seq.pending_token_ids or seq.is_finished:
                 outputs.append(self._output(seq))

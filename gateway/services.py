@@ -13,7 +13,7 @@ from typing import Any
 import httpx2
 
 from specgate.gateway.backends.registry import BackendRegistry
-from specgate.gateway.http.auth import RateLimiter, RefusalBudget
+from specgate.gateway.limits import RateLimiter, RefusalBudget
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.routing.static import Router, StaticRouter

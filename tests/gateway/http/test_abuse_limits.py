@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specgate.gateway.http.auth import RateLimiter, client_address, parse_networks
+from specgate.gateway.http.auth import client_address, parse_networks
+from specgate.gateway.limits import RateLimiter
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
 MSG = [{"role": "user", "content": "hi"}]

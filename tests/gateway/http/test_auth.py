@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specgate.gateway.http.auth import RateLimiter, check_key, key_id
+from specgate.gateway.http.auth import check_key, key_id
+from specgate.gateway.limits import RateLimiter
 from specgate.gateway.protocol.errors import GatewayError
 
 
