@@ -56,8 +56,8 @@ def run(
     return (
         last.stats.num_output_tokens,
         seconds,
-        (st.num_accepted_draft_tokens if st else 0),
-        (st.num_spec_steps if st else 0),
+        (st.num_accepted_tokens if st else 0),
+        (st.num_drafts if st else 0),
     )
 
 

@@ -45,7 +45,7 @@ def make_record(i: int) -> RequestRecord:
         "num_drafts": 40,
         "num_draft_tokens": 160,
         "num_accepted_tokens": 88,
-        "acceptance_counts": [30, 25, 18, 15],
+        "num_accepted_tokens_per_pos": [30, 25, 18, 15],
         "mean_acceptance_length": 3.2,
         "draft_acceptance_rate": 0.55,
     }

@@ -18,10 +18,10 @@ class SpecStats:
     """Per-request speculation counters, named as in vLLM's spec-decode metrics."""
 
     method: str
-    num_spec_steps: int = 0  # verification steps with at least one drafted token
+    num_drafts: int = 0  # verification steps with at least one drafted token
     num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    acceptance_histogram: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     per_step_drafted: list[int] = field(default_factory=list)
     per_step_accepted: list[int] = field(default_factory=list)
     per_step_batch_tokens: list[int] = field(default_factory=list)  # tokens in the whole forward pass
@@ -30,22 +30,22 @@ class SpecStats:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification step, the recovered or bonus token included."""
-        if not self.num_spec_steps:
+        if not self.num_drafts:
             return 0.0
-        return (self.num_accepted_draft_tokens + self.num_spec_steps) / self.num_spec_steps
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
 
     @property
     def draft_acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def record(self, drafted: int, accepted: int, batch_tokens: int = 0, step_ms: float = 0.0) -> None:
-        self.num_spec_steps += 1
+        self.num_drafts += 1
         self.num_draft_tokens += drafted
-        self.num_accepted_draft_tokens += accepted
-        if len(self.acceptance_histogram) < drafted:
-            self.acceptance_histogram.extend([0] * (drafted - len(self.acceptance_histogram)))
+        self.num_accepted_tokens += accepted
+        if len(self.num_accepted_tokens_per_pos) < drafted:
+            self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
         for i in range(accepted):
-            self.acceptance_histogram[i] += 1
+            self.num_accepted_tokens_per_pos[i] += 1
         self.per_step_drafted.append(drafted)
         self.per_step_accepted.append(accepted)
         self.per_step_batch_tokens.append(batch_tokens)
@@ -75,7 +75,7 @@ class RequestStats:
         if self.spec is not None:
             spec = replace(
                 self.spec,
-                acceptance_histogram=list(self.spec.acceptance_histogram),
+                num_accepted_tokens_per_pos=list(self.spec.num_accepted_tokens_per_pos),
                 per_step_drafted=list(self.spec.per_step_drafted),
                 per_step_accepted=list(self.spec.per_step_accepted),
                 per_step_batch_tokens=list(self.spec.per_step_batch_tokens),

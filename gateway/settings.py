@@ -5,34 +5,20 @@ Pydantic lives here because this is an edge: operators write these values by han
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from specgate.engine.spec_decode.params import SpecParams
 
-class SpecSettings(BaseModel):
-    """How a model's requests speculate unless a policy or the request says otherwise."""
-
-    model_config = ConfigDict(extra="forbid")
-    method: str = "off"  # a registered proposer ("ngram", "suffix", "draft_model") or "off"
-    controller: Literal["goodput", "static", "heuristic"] = "goodput"
-    k_min: int = Field(0, ge=0, le=64)
-    k_max: int = Field(8, ge=0, le=64)
-    num_speculative_tokens: int = Field(4, ge=0, le=64)
-    # The dynamic-K controller's starting acceptance estimate (None: the engine's default); the
-    # routing policy sets it from the acceptance measured for the request's workload class.
-    acceptance_prior: float | None = Field(None, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> SpecSettings:
-        if self.k_min > self.k_max:
-            raise ValueError("k_min must be <= k_max")
-        return self
+if TYPE_CHECKING:
+    from specgate.engine.config import EngineConfig
 
 
 class EmbeddedSettings(BaseModel):
@@ -58,7 +44,9 @@ class EmbeddedSettings(BaseModel):
     seed: int = 0
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
-    spec: SpecSettings = Field(default_factory=lambda: SpecSettings(method="ngram"))
+    # How requests speculate unless the routing policy or the request says otherwise: the engine's
+    # own SpecParams (method, controller, k_min, k_max, num_speculative_tokens, acceptance_prior).
+    spec: SpecParams = Field(default_factory=lambda: SpecParams(method="ngram"))
     # Who shares the suffix proposer's cache of earlier outputs (a draft taken from another tenant's
     # output would leak it through acceptance and timing): "tenant" = per API key, or per client
     # address in open mode; "address" = per client address; "global" = everyone; "off" = nobody.
@@ -66,6 +54,17 @@ class EmbeddedSettings(BaseModel):
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def engine_config(self, cache_dir: str | None = None) -> EngineConfig:
+        """The engine's config: every EngineConfig field these settings name (and `threads` as
+        num_threads); the engine validates it. No field list to keep in step by hand."""
+        from specgate.engine.config import EngineConfig  # torch: only when an engine is built
+
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        given = {k: v for k, v in self.model_dump().items() if k in names}
+        given["num_threads"] = self.threads
+        given["convert_cache_dir"] = self.convert_cache_dir or cache_dir
+        return EngineConfig(**given)
 
 
 class BackendSettings(BaseModel):
@@ -110,7 +109,7 @@ class ModelRoute(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     backends: list[str] = Field(default_factory=list)  # empty: every backend serving the model
-    spec: SpecSettings | None = None
+    spec: SpecParams | None = None
 
 
 class TelemetrySettings(BaseModel):

@@ -112,7 +112,7 @@ def spec_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
         steps += s.get("num_drafts") or 0
         drafted += s.get("num_draft_tokens") or 0
         accepted += s.get("num_accepted_tokens") or 0
-        for i, c in enumerate(s.get("acceptance_counts") or []):
+        for i, c in enumerate(s.get("num_accepted_tokens_per_pos") or []):
             if i >= len(by_pos):
                 by_pos.append(0)
             by_pos[i] += c

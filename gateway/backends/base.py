@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from specgate.gateway.settings import SpecSettings
 
 Kind = Literal["chat", "completion"]
 
@@ -40,7 +40,7 @@ class BackendCall:
     body: dict[str, Any]  # the client's body as validated, unknown fields kept
     request: ChatCompletionRequest | CompletionRequest
     created: int  # unix seconds, the response's `created`
-    spec: SpecSettings | None = None  # how the embedded engine should speculate (router's choice)
+    spec: SpecParams | None = None  # how the embedded engine should speculate (router's choice)
     route: dict[str, Any] = field(default_factory=dict)  # the routing decision, echoed in `metrics`
     observed: Observation = field(default_factory=Observation)
     engine_id: str = ""  # the embedded engine's id for this call

@@ -86,7 +86,7 @@ def _spec(
         "num_drafts": steps,
         "num_draft_tokens": drafted,
         "num_accepted_tokens": accepted,
-        "acceptance_counts": counts,
+        "num_accepted_tokens_per_pos": counts,
         "mean_acceptance_length": (accepted + steps) / steps if steps else None,
         "draft_acceptance_rate": accepted / drafted if drafted else None,
     }

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from specgate.engine.spec_decode.params import CONTROLLERS
 from specgate.gateway.cli.eagle import add_eagle_parser
 from specgate.gateway.cli.policy import add_policy_parser
 from specgate.gateway.settings import default_cache_dir
@@ -91,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if final.stats.spec is not None:
             st = final.stats.spec
             line += (
-                f", {st.method}: {st.num_accepted_draft_tokens}/{st.num_draft_tokens} drafts accepted,"
+                f", {st.method}: {st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted,"
                 f" {st.mean_acceptance_length:.2f} tokens per verification"
             )
         sys.stderr.write(f"[{line}]\n")
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--spec", default="off", help="speculation method: off, ngram, suffix (default off)")
-    gen.add_argument("--spec-controller", default="goodput", choices=["goodput", "static", "heuristic"])
+    gen.add_argument("--spec-controller", default="goodput", choices=list(CONTROLLERS))
     gen.add_argument("--k-max", type=int, default=8, help="longest draft")
     gen.set_defaults(func=cmd_generate)
 

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specgate.gateway.protocol.schemas import Controller
 from specgate.policies.classes import WORKLOAD_CLASSES
 
 WorkloadClass = Literal[WORKLOAD_CLASSES]  # type: ignore[valid-type]
@@ -18,7 +19,7 @@ class ClassRulePatch(BaseModel):
     )
     k_min: int | None = Field(None, ge=0, le=64)
     k_max: int | None = Field(None, ge=0, le=64)
-    controller: Literal["goodput", "static", "heuristic"] | None = None
+    controller: Controller | None = None
 
 
 class PolicyPatch(BaseModel):

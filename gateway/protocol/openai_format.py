@@ -145,7 +145,9 @@ def metrics_from_stats(stats: RequestStats, route: dict[str, Any]) -> dict[str, 
     out["spec_decoding"] = spec_decoding(stats)
     # vLLM's layout: index 0 counts verification steps, index i the drafts accepted at position i.
     spec = stats.spec
-    out["spec_token_acceptance_counts"] = [spec.num_spec_steps, *spec.acceptance_histogram] if spec else None
+    out["spec_token_acceptance_counts"] = (
+        [spec.num_drafts, *spec.num_accepted_tokens_per_pos] if spec else None
+    )
     return out
 
 
@@ -155,10 +157,10 @@ def spec_decoding(stats: RequestStats) -> dict[str, Any]:
         return {"method": None}
     return {
         "method": spec.method,
-        "num_drafts": spec.num_spec_steps,
+        "num_drafts": spec.num_drafts,
         "num_draft_tokens": spec.num_draft_tokens,
-        "num_accepted_tokens": spec.num_accepted_draft_tokens,
-        "acceptance_counts": list(spec.acceptance_histogram),
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
         "mean_acceptance_length": spec.mean_acceptance_length,
         "draft_acceptance_rate": spec.draft_acceptance_rate,
     }

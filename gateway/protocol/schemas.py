@@ -14,7 +14,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from specgate.engine.spec_decode.params import CONTROLLERS
 
 # Limits shared with the engine-facing checks (embedded_prompt) and the tests.
 INT32_MAX = 2**31 - 1
@@ -31,6 +41,18 @@ MAX_LOGPROBS = 20
 MAX_SPEC_K = 64
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def _controller(value: str) -> str:
+    if value not in CONTROLLERS:
+        raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}")
+    return value
+
+
+# The engine's controller names, the one list (engine/spec_decode/params.py).
+Controller = Annotated[
+    str, AfterValidator(_controller), WithJsonSchema({"type": "string", "enum": list(CONTROLLERS)})
+]
 Name = Annotated[str, Field(max_length=MAX_NAME)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # A tool name as OpenAI defines it: letters, digits, underscores and dashes (dots too), at most 64.
@@ -52,7 +74,7 @@ class SpecRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     # "off" disables speculation; other names must be methods the operator allows (policy.methods).
     method: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    controller: Literal["goodput", "static", "heuristic"] | None = None
+    controller: Controller | None = None
     k_min: int | None = Field(None, ge=0, le=MAX_SPEC_K)
     k_max: int | None = Field(None, ge=0, le=MAX_SPEC_K)
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_K)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.request_info import request_info
 from specgate.gateway.routing.static import RouteDecision, allowed_methods, candidate_backends, requested_spec
-from specgate.gateway.settings import Settings, SpecSettings
+from specgate.gateway.settings import Settings
 from specgate.policies.arms import OFF, UPSTREAM, Arm
 from specgate.policies.classifier import Classification, WorkloadClassifier
 from specgate.policies.decision import Decision, DecisionContext
@@ -87,15 +88,16 @@ class PolicyRouter:
         decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)
         arm = decision.arm
         backends = [arm.backend, *(n for n in names if n != arm.backend)]
-        spec: SpecSettings | None = None
+        spec: SpecParams | None = None
         if arm.method != UPSTREAM:
-            spec = SpecSettings(
+            spec = SpecParams(
                 method=arm.method if arm.speculative else OFF,
                 controller=decision.controller,
                 k_min=decision.k_min,
                 k_max=decision.k_max,
-                acceptance_prior=decision.acceptance_prior,
             )
+            if decision.acceptance_prior is not None:  # measured for the class; else the engine's default
+                spec.acceptance_prior = decision.acceptance_prior
         policy, reason = manager.state.kind, decision.reason
         configured = self.settings.routes.get(request.model)
         if configured is not None and configured.spec is not None:

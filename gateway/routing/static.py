@@ -7,13 +7,15 @@ Every decision is recorded on the request and returned in its `metrics.route`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from specgate.gateway.settings import Settings, SpecSettings
+from specgate.gateway.settings import Settings
 from specgate.policies.load import LoadSignals
 
 
@@ -21,7 +23,7 @@ from specgate.policies.load import LoadSignals
 class RouteDecision:
     model: str
     backends: list[str]  # candidates, tried in this order
-    spec: SpecSettings | None  # for the embedded engine; external backends decide their own
+    spec: SpecParams | None  # for the embedded engine; external backends decide their own
     policy: str = "static"
     policy_version: str | None = None
     reason: str = ""
@@ -32,7 +34,7 @@ class RouteDecision:
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)  # per arm, learned policies
 
     def as_dict(self, backend: str | None = None) -> dict[str, Any]:
-        spec = self.spec.model_dump() if self.spec is not None else {"method": "off"}
+        spec = dataclasses.asdict(self.spec) if self.spec is not None else {"method": "off"}
         out: dict[str, Any] = {
             "backend": backend,
             "candidates": list(self.backends),
@@ -101,8 +103,8 @@ def allowed_methods(settings: Settings) -> frozenset[str]:
 
 
 def requested_spec(
-    base: SpecSettings, request: ChatCompletionRequest | CompletionRequest, allowed: frozenset[str]
-) -> SpecSettings:
+    base: SpecParams, request: ChatCompletionRequest | CompletionRequest, allowed: frozenset[str]
+) -> SpecParams:
     """`base` with the request's own `spec` extension applied; 400 if the result is invalid or asks
     for a method the operator does not allow."""
     assert request.spec is not None
@@ -116,6 +118,6 @@ def requested_spec(
         )
     overrides = request.spec.model_dump(exclude_none=True)
     try:
-        return SpecSettings(**{**base.model_dump(), **overrides})
+        return dataclasses.replace(base, **overrides)
     except ValueError as exc:
         raise GatewayError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc

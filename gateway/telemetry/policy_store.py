@@ -113,7 +113,7 @@ class SqlPolicyStore:
             r.tokens_per_s,
             r.tpot_ms,
             r.num_draft_tokens,
-            r.num_accepted_draft_tokens,
+            r.num_accepted_tokens,
         ).where(
             r.outcome == "ok",
             r.received_at >= _utc(since),
@@ -137,7 +137,7 @@ class SqlPolicyStore:
                         row.workload_class,
                         stamp.timestamp() if stamp else 0.0,
                         row.num_draft_tokens,
-                        row.num_accepted_draft_tokens,
+                        row.num_accepted_tokens,
                     )
                 )
         return out

@@ -56,12 +56,12 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "load_running": rec.load.get("running"),
         "load_kv_usage": rec.load.get("kv_usage"),
         "load_backend_in_flight": in_flight.get(rec.backend) if rec.backend else None,
-        "num_spec_steps": spec.get("num_drafts"),
+        "num_drafts": spec.get("num_drafts"),
         "num_draft_tokens": spec.get("num_draft_tokens"),
-        "num_accepted_draft_tokens": spec.get("num_accepted_tokens"),
+        "num_accepted_tokens": spec.get("num_accepted_tokens"),
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
         "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
-        "acceptance_histogram": spec.get("acceptance_counts"),
+        "num_accepted_tokens_per_pos": spec.get("num_accepted_tokens_per_pos"),
         "upstream": rec.upstream or None,
     }
 

@@ -34,7 +34,7 @@ def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> 
     method = func.coalesce(r.spec_method, "off").label("spec_method")
     drafted = func.sum(r.num_draft_tokens)
     mean_tps = func.avg(r.tokens_per_s).label("mean_tokens_per_s")
-    spec_only = case((r.num_spec_steps > 0, r.mean_acceptance_length))
+    spec_only = case((r.num_drafts > 0, r.mean_acceptance_length))
     totals = select(
         func.count().label("requests"),
         func.sum(case((r.outcome == "ok", 1), else_=0)).label("ok"),
@@ -51,10 +51,8 @@ def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> 
             method,
             func.count().label("requests"),
             func.sum(r.num_draft_tokens).label("draft_tokens"),
-            func.sum(r.num_accepted_draft_tokens).label("accepted_tokens"),
-            (cast(func.sum(r.num_accepted_draft_tokens), Float) / func.nullif(drafted, 0)).label(
-                "acceptance_rate"
-            ),
+            func.sum(r.num_accepted_tokens).label("accepted_tokens"),
+            (cast(func.sum(r.num_accepted_tokens), Float) / func.nullif(drafted, 0)).label("acceptance_rate"),
             func.avg(spec_only).label("mean_acceptance_length"),
             func.avg(r.tokens_per_s).label("mean_tokens_per_s"),
         )

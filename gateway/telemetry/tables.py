@@ -80,12 +80,12 @@ requests = Table(
     Column("load_kv_usage", Float),
     Column("load_backend_in_flight", Integer),
     # Speculation (vLLM's names).
-    Column("num_spec_steps", Integer),
+    Column("num_drafts", Integer),
     Column("num_draft_tokens", Integer),
-    Column("num_accepted_draft_tokens", Integer),
+    Column("num_accepted_tokens", Integer),
     Column("mean_acceptance_length", Float),
     Column("draft_acceptance_rate", Float),
-    Column("acceptance_histogram", JSON),
+    Column("num_accepted_tokens_per_pos", JSON),
     Column("upstream", JSON),  # what an external backend reported (vLLM metrics, SGLang meta_info...)
     Index(None, "received_at"),
     Index(None, "model", "received_at"),

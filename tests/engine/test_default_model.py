@@ -51,6 +51,6 @@ def test_default_model_loads_offline_and_answers(tmp_path: Path, monkeypatch: py
         for out in again.step():
             text, last = text + out.new_text, out
     assert text == plain
-    assert last is not None and last.stats.spec is not None and last.stats.spec.num_accepted_draft_tokens > 0
+    assert last is not None and last.stats.spec is not None and last.stats.spec.num_accepted_tokens > 0
     assert not any(p.name.startswith(".converting") for p in cache.iterdir())
     assert os.environ["HF_HUB_OFFLINE"] == "1"

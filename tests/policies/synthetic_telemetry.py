@@ -104,7 +104,7 @@ def insert(engine: Any, n: int, seed: int, max_running: int = 8) -> None:
                     features=row.features,
                     workload_class=row.label,
                     num_draft_tokens=row.draft_tokens,
-                    num_accepted_draft_tokens=row.accepted_tokens,
+                    num_accepted_tokens=row.accepted_tokens,
                     policy="rules",
                     policy_version="1",
                 )

@@ -79,23 +79,7 @@ class EmbeddedBackend:
         self._loading = asyncio.create_task(self._load())
 
     def _config(self) -> EngineConfig:
-        s = self.settings
-        return EngineConfig(
-            model=s.model,
-            gguf_file=s.gguf_file,
-            dtype=s.dtype,
-            device=s.device,
-            num_threads=s.threads,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            kv_cache_bytes=s.kv_cache_bytes,
-            num_blocks=s.num_blocks,
-            block_size=s.block_size,
-            max_model_len=s.max_model_len,
-            convert_cache_dir=self._cache_dir,
-            seed=s.seed,
-            proposer_options=s.proposer_options,
-        )
+        return self.settings.engine_config(self._cache_dir)
 
     def _build(self) -> Engine:
         """A fresh engine (first load, and every rebuild after the old one broke)."""
@@ -190,10 +174,7 @@ class EmbeddedBackend:
             proposer_factory(s.method)
         except ValueError as exc:
             raise GatewayError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
-        params = SpecParams(s.method, s.controller, s.k_min, s.k_max, s.num_speculative_tokens)
-        if s.acceptance_prior is not None:
-            params.acceptance_prior = s.acceptance_prior
-        return params
+        return s
 
     async def _outputs(self, call: BackendCall, q: asyncio.Queue[Any]) -> AsyncGenerator[RequestOutput, None]:
         finished = False

@@ -38,9 +38,9 @@ def acceptance_by_class(
             requests[cat] += 1
             st = out.stats.spec
             if st is not None:
-                steps[cat] += st.num_spec_steps
+                steps[cat] += st.num_drafts
                 drafted[cat] += st.num_draft_tokens
-                accepted[cat] += st.num_accepted_draft_tokens
+                accepted[cat] += st.num_accepted_tokens
     return {
         cat: {
             "requests": requests[cat],

@@ -47,7 +47,7 @@ def test_summary_throughput_goodput_and_acceptance() -> None:
             num_drafts=4,
             num_draft_tokens=12,
             num_accepted_tokens=6,
-            acceptance_counts=[4, 2, 0],
+            num_accepted_tokens_per_pos=[4, 2, 0],
         ),
         stream(
             "b",
@@ -58,7 +58,7 @@ def test_summary_throughput_goodput_and_acceptance() -> None:
             num_drafts=2,
             num_draft_tokens=6,
             num_accepted_tokens=0,
-            acceptance_counts=[0, 0, 0],
+            num_accepted_tokens_per_pos=[0, 0, 0],
         ),
         RequestResult("c", "code", "ngram", sent_at=0.0, ok=False, error="APIError: boom"),
     ]

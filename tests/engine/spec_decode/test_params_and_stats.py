@@ -50,14 +50,14 @@ def test_spec_stats_record_worked_example() -> None:
     s = SpecStats(method="ngram")
     assert s.mean_acceptance_length == 0.0 and s.draft_acceptance_rate == 0.0
     s.record(3, 2)
-    assert s.acceptance_histogram == [1, 1, 0]
+    assert s.num_accepted_tokens_per_pos == [1, 1, 0]
     s.record(4, 4)
-    assert s.acceptance_histogram == [2, 2, 1, 1]
+    assert s.num_accepted_tokens_per_pos == [2, 2, 1, 1]
     s.record(2, 0)
-    assert s.acceptance_histogram == [2, 2, 1, 1]
-    assert s.num_spec_steps == 3
+    assert s.num_accepted_tokens_per_pos == [2, 2, 1, 1]
+    assert s.num_drafts == 3
     assert s.num_draft_tokens == 9
-    assert s.num_accepted_draft_tokens == 6
+    assert s.num_accepted_tokens == 6
     assert s.per_step_drafted == [3, 4, 2]
     assert s.per_step_accepted == [2, 4, 0]
     # (6 accepted drafts + one recovered or bonus token per step) / 3 steps
@@ -76,13 +76,13 @@ def test_request_stats_snapshot_does_not_see_later_updates() -> None:
     stats.token_times.append(3.0)
     stats.num_output_tokens = 6
     assert snap.spec is not None and snap.spec is not stats.spec
-    assert snap.spec.acceptance_histogram == [1, 0]
+    assert snap.spec.num_accepted_tokens_per_pos == [1, 0]
     assert snap.spec.per_step_drafted == [2]
     assert snap.spec.per_step_accepted == [1]
-    assert snap.spec.num_spec_steps == 1 and snap.spec.num_draft_tokens == 2
+    assert snap.spec.num_drafts == 1 and snap.spec.num_draft_tokens == 2
     assert snap.token_times == [2.0]
     assert snap.num_output_tokens == 2
-    assert stats.spec.acceptance_histogram == [2, 1, 1, 1]  # the original did change
+    assert stats.spec.num_accepted_tokens_per_pos == [2, 1, 1, 1]  # the original did change
     assert RequestStats(arrival_time=0.0, num_prompt_tokens=1).snapshot().spec is None
 
 

@@ -74,9 +74,9 @@ def test_greedy_speculation_is_token_identical_in_mixed_batches(
         stats = outs[f"spec{i}"][-1].stats.spec
         assert stats is not None and stats.method == method
         drafted += stats.num_draft_tokens
-        accepted += stats.num_accepted_draft_tokens
+        accepted += stats.num_accepted_tokens
         assert sum(stats.per_step_drafted) == stats.num_draft_tokens
-        assert sum(stats.acceptance_histogram) == stats.num_accepted_draft_tokens
+        assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
     assert drafted > 0  # speculation really ran
     if method == "draft_model" and controller == "static":
         assert 0 < accepted < drafted  # some drafts kept, some rejected and rolled back
@@ -108,9 +108,9 @@ def test_the_target_as_its_own_draft_accepts_everything(
     engine.add_request("a", prompts([9])[0], SamplingParams(max_tokens=41, **GREEDY), spec)
     stats = run_to_completion(engine)["a"][-1].stats.spec
     assert stats is not None
-    assert stats.num_draft_tokens == stats.num_accepted_draft_tokens == 32
+    assert stats.num_draft_tokens == stats.num_accepted_tokens == 32
     assert stats.mean_acceptance_length == 5.0 and stats.draft_acceptance_rate == 1.0
-    assert stats.acceptance_histogram == [8, 8, 8, 8]
+    assert stats.num_accepted_tokens_per_pos == [8, 8, 8, 8]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])

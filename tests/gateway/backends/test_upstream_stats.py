@@ -62,7 +62,7 @@ def test_vllm_metrics_are_kept_raw_and_read_as_speculation() -> None:
     assert obs.spec["method"] == "upstream:vllm"
     assert obs.spec["num_drafts"] == 14
     assert obs.spec["num_accepted_tokens"] == 22
-    assert obs.spec["acceptance_counts"] == [11, 8, 3]
+    assert obs.spec["num_accepted_tokens_per_pos"] == [11, 8, 3]
     assert obs.spec["mean_acceptance_length"] == pytest.approx((22 + 14) / 14)
     assert obs.spec["num_draft_tokens"] is None  # vLLM does not say how many were drafted
     assert obs.spec["draft_acceptance_rate"] is None

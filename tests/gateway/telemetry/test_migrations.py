@@ -38,14 +38,14 @@ def test_one_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0003"]
+    assert heads == ["0004"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0003"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0004"
     tables, views = _tables(db_url)
     assert {"requests", "spec_steps", "policy_versions", "telemetry_quarantine", "alembic_version"} <= tables
     assert views == VIEWS
@@ -54,8 +54,17 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0003"
-    # One step down removes the quarantine table and the client id column, nothing else.
+    assert schema.current_revision(engine) == "0004"
+    # One step down gives the speculation columns their old names back, views included.
+    schema.downgrade(db_url, "0003")
+    columns = _columns(db_url, "requests")
+    assert {"num_spec_steps", "num_accepted_draft_tokens", "acceptance_histogram"} <= columns
+    assert "num_drafts" not in columns and _tables(db_url)[1] == VIEWS
+    schema.upgrade(db_url)
+    assert {"num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos"} <= _columns(
+        db_url, "requests"
+    )
+    # The next removes the quarantine table and the client id column, nothing else.
     schema.downgrade(db_url, "0002")
     tables, views = _tables(db_url)
     assert "telemetry_quarantine" not in tables and {"requests", "policy_versions"} <= tables
@@ -67,7 +76,7 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0003"
+    assert schema.current_revision(engine) == "0004"
     engine.dispose()
 
 
@@ -100,7 +109,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0003"
+    assert schema.current_revision(lite) == "0004"
     lite.dispose()
 
 
@@ -108,7 +117,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0003" in out.stdout
+    assert "current: 0004" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -117,4 +126,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0003 (head)" in out.stdout
+    assert "0004 (head)" in out.stdout

@@ -34,7 +34,7 @@ def record(i: int, **kw: object) -> RequestRecord:
         "num_drafts": 5,
         "num_draft_tokens": 15,
         "num_accepted_tokens": 9,
-        "acceptance_counts": [5, 3, 1],
+        "num_accepted_tokens_per_pos": [5, 3, 1],
         "mean_acceptance_length": 2.8,
         "draft_acceptance_rate": 0.6,
     }
@@ -73,7 +73,7 @@ def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None
         row = conn.execute(select(requests).where(requests.c.request_id == "req-7")).mappings().one()
     engine.dispose()
     assert row["spec_method"] == "ngram" and row["spec_controller"] == "goodput" and row["k_max"] == 8
-    assert row["num_accepted_draft_tokens"] == 9 and row["acceptance_histogram"] == [5, 3, 1]
+    assert row["num_accepted_tokens"] == 9 and row["num_accepted_tokens_per_pos"] == [5, 3, 1]
     assert row["load_backend_in_flight"] == 2 and row["load_kv_usage"] == 0.25
     assert row["ttft_ms"] == pytest.approx(50, abs=1) and row["outcome"] == "ok" and not row["cancelled"]
     assert row["received_at"].tzinfo is not None or db_url.startswith("sqlite")

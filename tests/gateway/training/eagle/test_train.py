@@ -48,7 +48,7 @@ def acceptance(make_engine: Callable[..., Engine], model: Path, head_dir: Path, 
         for out in engine.step():
             if out.finished and out.stats.spec is not None:
                 drafted += out.stats.spec.num_draft_tokens
-                accepted += out.stats.spec.num_accepted_draft_tokens
+                accepted += out.stats.spec.num_accepted_tokens
     assert drafted > 0
     return accepted / drafted
 
