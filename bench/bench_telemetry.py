@@ -15,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.spool import Spool
@@ -27,13 +29,10 @@ def make_record(i: int) -> RequestRecord:
         f"bench-{uuid.uuid4().hex}", "chat", "SmolLM2-135M-Instruct", now - 0.5, stream=i % 2 == 0
     )
     rec.status, rec.backend, rec.api_key_id = 200, "embedded", "key-0123456789ab"
-    rec.route = {
-        "backend": "embedded",
-        "candidates": ["embedded"],
-        "policy": "static",
-        "reason": "bench",
-        "spec": {"method": "ngram", "controller": "goodput", "k_min": 0, "k_max": 8},
-    }
+    rec.route = RouteDecision(
+        "SmolLM2-135M-Instruct", ["embedded"], SpecParams("ngram", "goodput", 0, 8), reason="bench"
+    )
+    rec.route.served_by("embedded", external=False)
     rec.prompt_tokens, rec.completion_tokens, rec.first_token_at, rec.finish_reason = (
         300,
         128,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 
 Kind = Literal["chat", "completion"]
@@ -41,7 +42,7 @@ class BackendCall:
     request: ChatCompletionRequest | CompletionRequest
     created: int  # unix seconds, the response's `created`
     spec: SpecParams | None = None  # how the embedded engine should speculate (router's choice)
-    route: dict[str, Any] = field(default_factory=dict)  # the routing decision, echoed in `metrics`
+    route: RouteDecision | None = None  # the routing decision, echoed in `metrics.route`
     observed: Observation = field(default_factory=Observation)
     engine_id: str = ""  # the embedded engine's id for this call
     # Whose drafting state this call may share (the suffix cache): a tenant, or None for nobody's.
@@ -54,6 +55,7 @@ class BackendCall:
 
 class Backend(Protocol):
     name: str
+    external: bool  # False only for the embedded engine (which speculates as the route says)
 
     def model_ids(self) -> list[str]:
         """Public model names this backend serves now."""

@@ -53,6 +53,7 @@ class OpenAIBackend:
     def __init__(self, settings: BackendSettings, client: httpx2.AsyncClient) -> None:
         self.settings = settings
         self.name = settings.name
+        self.external = True
         self.client = client
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown)
         self.discovered: list[str] = []

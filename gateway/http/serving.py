@@ -42,7 +42,7 @@ async def handle(
     call: BackendCall | None = None
     try:
         decision = svc.router.route(parsed, load)
-        rec.route = decision.as_dict()
+        rec.route = decision
         rec.features = decision.features
         rec.workload_class = decision.workload_class
         rec.class_confidence = decision.class_confidence
@@ -54,7 +54,7 @@ async def handle(
             request=parsed,
             created=int(time.time()),
             spec=decision.spec,
-            route=rec.route,
+            route=decision,
             cache_scope=svc.cache_scope(key_id, state.client_addr),
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
@@ -119,21 +119,17 @@ async def _events(
 def _note_backend(
     svc: Services, rec: RequestRecord, call: BackendCall, backend: Backend, order: list[str]
 ) -> bool:
-    """Record which backend took the call; whether it is an external one."""
-    rec.backend = call.route["backend"] = backend.name
-    external = backend is not svc.registry.embedded
-    if external:
-        call.route["spec"] = None  # an external backend decides its own speculation
-    method = "upstream" if external else (call.spec.method if call.spec is not None else "off")
-    call.route["arm"] = f"{backend.name}:{method}"  # what actually served: the policy learns from it
+    """Record which backend took the call (dispatch named it on the route); whether it is external."""
+    rec.backend = backend.name
     if order and backend.name != order[0]:
         svc.metrics.failovers.labels(call.model).inc()
-    return external
+    return backend.external
 
 
 def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any]:
     obs = call.observed
-    out: dict[str, Any] = {"route": call.route, "spec_decoding": obs.spec or {"method": None}}
+    route = call.route.as_dict() if call.route is not None else None
+    out: dict[str, Any] = {"route": route, "spec_decoding": obs.spec or {"method": None}}
     if obs.upstream:
         out["upstream"] = obs.upstream
     elif upstream_metrics is not None:

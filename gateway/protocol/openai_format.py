@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from specgate.engine.outputs import RequestStats, TokenLogprob
+from specgate.gateway.protocol.route import RouteDecision
 
 TokenText = Callable[[int], str]
 
@@ -122,7 +123,7 @@ def completion_logprobs(
     }
 
 
-def metrics_from_stats(stats: RequestStats, route: dict[str, Any]) -> dict[str, Any]:
+def metrics_from_stats(stats: RequestStats, route: RouteDecision | None) -> dict[str, Any]:
     """The per-request `metrics` extension, named like vLLM's RequestMetrics (unix-time stamps)."""
     shift = time.time() - time.monotonic()
 
@@ -140,7 +141,7 @@ def metrics_from_stats(stats: RequestStats, route: dict[str, Any]) -> dict[str, 
         "tpot": stats.tpot,
         "num_steps": stats.num_steps,
         "num_preemptions": stats.num_preemptions,
-        "route": route,
+        "route": route.as_dict() if route is not None else None,
     }
     out["spec_decoding"] = spec_decoding(stats)
     # vLLM's layout: index 0 counts verification steps, index i the drafts accepted at position i.

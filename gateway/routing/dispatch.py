@@ -43,7 +43,7 @@ def _exhausted(errors: list[GatewayError]) -> GatewayError:
 async def complete(call: BackendCall, candidates: list[Backend]) -> tuple[dict[str, Any], Backend]:
     errors: list[GatewayError] = []
     for backend in _ordered(candidates):
-        call.observed.backend = backend.name
+        _serving(call, backend)
         try:
             return await backend.complete(call), backend
         except GatewayError as err:
@@ -62,7 +62,7 @@ async def open_stream(
     """The first chunk, the rest of the stream, and the backend that produced them."""
     errors: list[GatewayError] = []
     for backend in _ordered(candidates):
-        call.observed.backend = backend.name
+        _serving(call, backend)
         stream = aiter(backend.stream(call))
         try:
             first = await anext(stream)
@@ -83,6 +83,13 @@ async def open_stream(
             raise
         return first, stream, backend
     raise _exhausted(errors)
+
+
+def _serving(call: BackendCall, backend: Backend) -> None:
+    """This backend takes the call now: what the response's `metrics.route` and the row will name."""
+    call.observed.backend = backend.name
+    if call.route is not None:
+        call.route.served_by(backend.name, backend.external)
 
 
 async def _close(stream: AsyncIterator[Any]) -> None:

@@ -8,47 +8,15 @@ Every decision is recorded on the request and returned in its `metrics.route`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.protocol.errors import GatewayError
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.settings import Settings
 from specgate.policies.load import LoadSignals
-
-
-@dataclass(slots=True)
-class RouteDecision:
-    model: str
-    backends: list[str]  # candidates, tried in this order
-    spec: SpecParams | None  # for the embedded engine; external backends decide their own
-    policy: str = "static"
-    policy_version: str | None = None
-    reason: str = ""
-    features: dict[str, Any] = field(default_factory=dict)
-    workload_class: str | None = None
-    class_confidence: float | None = None
-    explored: bool = False
-    predictions: dict[str, dict[str, float]] = field(default_factory=dict)  # per arm, learned policies
-
-    def as_dict(self, backend: str | None = None) -> dict[str, Any]:
-        spec = dataclasses.asdict(self.spec) if self.spec is not None else {"method": "off"}
-        out: dict[str, Any] = {
-            "backend": backend,
-            "candidates": list(self.backends),
-            "spec": spec,
-            "policy": self.policy,
-            "policy_version": self.policy_version,
-            "reason": self.reason,
-        }
-        if self.workload_class is not None:
-            out["workload_class"] = self.workload_class
-            out["explored"] = self.explored
-        if self.predictions:
-            out["predictions"] = self.predictions
-        return out
 
 
 class Router(Protocol):

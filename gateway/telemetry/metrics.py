@@ -122,9 +122,10 @@ class Metrics:
         self.requests.labels(rec.endpoint, model, backend, str(rec.status), rec.outcome).inc()
         if rec.overhead_ms is not None:
             self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
-        if rec.workload_class is not None and rec.route.get("arm"):
-            explored = str(bool(rec.route.get("explored"))).lower()
-            self.routes.labels(rec.workload_class, rec.route["arm"], rec.route.get("policy"), explored).inc()
+        route = rec.route
+        if rec.workload_class is not None and route is not None and route.arm:
+            explored = str(route.explored).lower()
+            self.routes.labels(rec.workload_class, route.arm, route.policy, explored).inc()
         if rec.backend and rec.attempts:
             self.retries.labels(rec.backend).inc(rec.attempts)
         if rec.outcome != "ok":

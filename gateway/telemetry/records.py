@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specgate.gateway.protocol.route import RouteDecision
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -24,7 +26,7 @@ class RequestRecord:
     # The client's own x-request-id, kept as sent (it may repeat); `request_id` is the gateway's.
     client_request_id: str | None = None
     backend: str | None = None
-    route: dict[str, Any] = field(default_factory=dict)
+    route: RouteDecision | None = None
     status: int = 0  # HTTP status sent (200 for streams that started, even if they failed later)
     outcome: str = "ok"  # ok | error | cancelled
     error_code: str | None = None

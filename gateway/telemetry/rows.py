@@ -11,7 +11,7 @@ TIME_COLUMNS = ("received_at", "first_token_at", "finished_at")
 
 
 def request_row(rec: RequestRecord) -> dict[str, Any]:
-    route = rec.route or {}
+    route = rec.route.as_dict() if rec.route is not None else {}
     spec_route = route.get("spec") or {}
     spec = rec.spec or {}
     in_flight = rec.load.get("backend_in_flight") or {}

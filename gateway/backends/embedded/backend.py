@@ -32,6 +32,7 @@ class EmbeddedBackend:
     def __init__(self, settings: EmbeddedSettings, cache_dir: str | None = None) -> None:
         self.settings = settings
         self.name = settings.name
+        self.external = False
         self._cache_dir = settings.convert_cache_dir or cache_dir
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
         self.served_name = settings.served_model_name or source.name

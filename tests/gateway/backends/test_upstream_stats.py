@@ -11,6 +11,7 @@ from specgate.engine.outputs import RequestStats, SpecStats
 from specgate.gateway.backends.base import Observation
 from specgate.gateway.backends.upstream_stats import capture, spec_from_upstream
 from specgate.gateway.protocol.openai_format import metrics_from_stats
+from specgate.gateway.protocol.route import RouteDecision
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 32, "total_tokens": 44, "prompt_tokens_details": None}
 
@@ -210,7 +211,7 @@ def test_another_specgate_upstream_is_read_consistently_with_its_own_counters() 
     stats.spec = SpecStats("ngram")
     for drafted, accepted in [(4, 2), (4, 4), (4, 0)]:
         stats.spec.record(drafted, accepted)
-    inner = metrics_from_stats(stats, {"backend": "embedded"})
+    inner = metrics_from_stats(stats, RouteDecision("m", ["embedded"], None))
     assert inner["spec_decoding"]["num_drafts"] == 3
     assert inner["spec_decoding"]["num_accepted_tokens"] == 6
 

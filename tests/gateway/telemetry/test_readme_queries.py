@@ -34,7 +34,8 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
         rec = record(i)
         rec.workload_class = "code" if i % 2 else "open_chat"
         if i % 4 == 0:  # plain decoding, faster on open chat: ngram "loses" there
-            rec.spec, rec.route["spec"] = {"method": None}, {"method": "off"}
+            assert rec.route is not None
+            rec.spec, rec.route.spec = {"method": None}, None
             rec.completion_tokens = 200
         if i % 10 == 9:
             rec.outcome, rec.status, rec.error_code = "error", 503, "overloaded"

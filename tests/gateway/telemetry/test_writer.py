@@ -12,6 +12,8 @@ import pytest
 from sqlalchemy import func, select
 
 from specgate.bench.tcp_proxy import behind_proxy
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row
@@ -23,10 +25,8 @@ from specgate.gateway.telemetry.writer import TelemetryWriter
 def record(i: int, **kw: object) -> RequestRecord:
     rec = RequestRecord(f"req-{i}", "chat", "m", received_at=time.time() - 1, stream=False, **kw)  # type: ignore[arg-type]
     rec.status, rec.backend = 200, "embedded"
-    rec.route = {
-        "backend": "embedded",
-        "spec": {"method": "ngram", "controller": "goodput", "k_min": 0, "k_max": 8},
-    }
+    rec.route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
+    rec.route.served_by("embedded", external=False)
     rec.prompt_tokens, rec.completion_tokens = 10, 20
     rec.first_token_at = rec.received_at + 0.05
     rec.spec = {
@@ -290,6 +290,8 @@ _SIBLING = """
 import os, sys, time
 from specgate.gateway.telemetry.spool import Spool
 from specgate.gateway.telemetry.rows import request_row
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry.records import RequestRecord
 spool = Spool(sys.argv[1])
 rows = []
