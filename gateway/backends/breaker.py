@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
@@ -24,7 +24,6 @@ class CircuitBreaker:
     trial_in_flight: bool = False
     _trial_owner: object = None
     times_opened: int = 0
-    _on_change: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.cooldown <= 0:
@@ -59,12 +58,9 @@ class CircuitBreaker:
         return max(0.0, self.cooldown - (self.clock() - self.opened_at))
 
     def record_success(self) -> None:
-        was = self.state
         self.failures = 0
         self.opened_at = None
         self.trial_in_flight, self._trial_owner = False, None
-        if was != CLOSED:
-            self._notify()
 
     def record_failure(self) -> None:
         self.failures += 1
@@ -72,11 +68,3 @@ class CircuitBreaker:
         if self.opened_at is not None or self.failures >= self.failure_threshold:
             self.opened_at = self.clock()
             self.times_opened += 1
-            self._notify()
-
-    def subscribe(self, callback: Callable[[str], None]) -> None:
-        self._on_change.append(callback)
-
-    def _notify(self) -> None:
-        for cb in self._on_change:
-            cb(self.state)

@@ -12,7 +12,7 @@ from specgate.gateway.http import openapi
 from specgate.gateway.http.errors import install_error_handlers
 from specgate.gateway.http.middleware import GatewayMiddleware
 from specgate.gateway.http.responses import SafeJSONResponse
-from specgate.gateway.http.routes import admin_ops, admin_policy, chat, completions, health, models
+from specgate.gateway.http.routes import admin_ops, admin_policy, health, inference, models
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.services import Services
@@ -45,7 +45,7 @@ def create_app(
         default_response_class=SafeJSONResponse,
     )
     install_error_handlers(app)
-    for module in (chat, completions, models, health, admin_policy, admin_ops):
+    for module in (inference, models, health, admin_policy, admin_ops):
         app.include_router(module.router)
     openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest])
     app.add_middleware(

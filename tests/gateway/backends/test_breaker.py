@@ -116,20 +116,6 @@ def test_failed_trial_reopens_for_a_fresh_cooldown(clock: FakeClock) -> None:
     assert b.allow() and not b.allow()  # a new single trial
 
 
-def test_subscribers_hear_state_changes(clock: FakeClock) -> None:
-    b = make(clock, failures=1, cooldown=1.0)
-    seen: list[str] = []
-    b.subscribe(seen.append)
-    b.record_success()  # closed -> closed is not a change
-    assert seen == []
-    b.record_failure()
-    assert seen == [OPEN]
-    clock.advance(1.0)
-    b.allow()
-    b.record_success()
-    assert seen == [OPEN, CLOSED]
-
-
 @pytest.mark.parametrize(("failures", "cooldown"), [(0, 1.0), (1, 0.0), (1, -1.0)])
 def test_rejects_nonsense_settings(failures: int, cooldown: float) -> None:
     with pytest.raises(ValueError):
