@@ -72,3 +72,11 @@ def test_the_old_top_level_names_are_gone() -> None:
     for bare in ("engine", "gateway", "policies", "bench", "migrations"):
         probe = subprocess.run([sys.executable, "-c", f"import {bare}"], capture_output=True, cwd="/")
         assert probe.returncode != 0, bare
+
+
+def test_one_controller_vocabulary() -> None:
+    """policies/ may not import the engine, so it keeps its own list: it must be the engine's."""
+    from specgate.engine.spec_decode.params import CONTROLLERS
+    from specgate.policies import rules
+
+    assert rules.CONTROLLERS == CONTROLLERS

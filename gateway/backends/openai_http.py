@@ -194,6 +194,11 @@ class OpenAIBackend:
         assert last is not None
         raise last
 
+    def _broke_protocol(self, exc: _Malformed) -> GatewayError:
+        """A reply that breaks the protocol counts against the backend; another may serve."""
+        self.breaker.record_failure()
+        return GatewayError(502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True)
+
     async def _timed_send(self, call: BackendCall) -> httpx2.Response:
         t0 = time.perf_counter()
         response = await self._send(call)
@@ -224,10 +229,7 @@ class OpenAIBackend:
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
             ) from exc
         except _Malformed as exc:
-            self.breaker.record_failure()
-            raise GatewayError(
-                502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
-            ) from None
+            raise self._broke_protocol(exc) from None
         finally:
             self.in_flight -= 1
         self.breaker.record_success()
@@ -283,10 +285,7 @@ class OpenAIBackend:
                 504, f"backend {self.name} sent no data in time", code="timeout", retryable=True
             ) from None
         except _Malformed as exc:
-            self.breaker.record_failure()
-            raise GatewayError(
-                502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True
-            ) from None
+            raise self._broke_protocol(exc) from None
         except httpx2.TransportError as exc:
             self.breaker.record_failure()
             raise GatewayError(
