@@ -134,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level="info" if args.verbose else "warning",
         access_log=args.verbose,
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=settings.keep_alive_timeout,
     )
     return 0
 
