@@ -4,6 +4,7 @@ client; the gateway, its metrics and its telemetry records stay whole."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -166,3 +167,20 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
     hostile.stop()
     hostile.start()
     assert status == 503 and failures == 0
+
+
+def test_a_stream_that_never_ends_is_cut_at_its_total_deadline(hostile: FakeUpstream) -> None:
+    """Data events well within the idle timeout, forever: the total deadline still ends it."""
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+    with running_gateway(
+        backend("slow", hostile, read_timeout=5.0, total_timeout=2.0, max_retries=0)
+    ) as live:
+        hostile.reset()
+        hostile.script(Reply.raw(200, [chunk], SSE, every=0.2, forever=True))
+        started = time.monotonic()
+        r = _post(live, stream=True)
+        took = time.monotonic() - started
+        assert r.status_code == 200 and took < 10  # it had started: the end is an error event
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "timeout"
+        assert live.services.recent.records[-1].error_code == "timeout"
