@@ -162,7 +162,7 @@ class Settings(BaseSettings):
     # Seconds an idle client connection stays open. A request a client sends just as the server
     # closes an idle connection is never read (the client sees a reset and should retry), so this
     # should exceed the idle timeout of any proxy or client pool in front (nginx: 75 s).
-    keep_alive_timeout: float = Field(75.0, gt=0)
+    keep_alive_timeout: int = Field(75, ge=1)
     # Request rate per API key (per client address in open mode), requests per minute; 0: no limit.
     rate_limit_rpm: int = Field(0, ge=0)
     # Refused requests (401 bad key, 413 body too large) per client address and minute; beyond
