@@ -281,9 +281,8 @@ class OpenAIBackend:
             self.probe_ok = True
         except TimeoutError:
             self.breaker.record_failure()
-            raise GatewayError(
-                504, f"backend {self.name} sent no data in time", code="timeout", retryable=True
-            ) from None
+            what = "exceeded its total timeout" if time.monotonic() >= deadline else "sent no data in time"
+            raise GatewayError(504, f"backend {self.name} {what}", code="timeout", retryable=True) from None
         except _Malformed as exc:
             raise self._broke_protocol(exc) from None
         except httpx2.TransportError as exc:

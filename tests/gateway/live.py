@@ -91,3 +91,20 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def record_of(live: LiveGateway, client_request_id: str, timeout: float = 10.0) -> Any:
+    """The request's record, once the gateway has settled it: the middleware submits it when the
+    response is over, which may be just after the client has read the response's end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rec = live.services.recent.find(client_request_id)
+        if rec is not None or time.monotonic() > deadline:
+            return rec
+        time.sleep(0.01)
+
+
+def records_settle(live: LiveGateway, count: int, timeout: float = 10.0) -> list[Any]:
+    """The recent records once there are at least `count` of them."""
+    wait_for(lambda: len(live.services.recent.records) >= count, timeout, interval=0.01)
+    return list(live.services.recent.records)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 from specgate.gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, FakeUpstream, Reply, backend, running_gateway
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import LiveGateway, record_of, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -96,9 +97,10 @@ def paired(hostile: FakeUpstream, good: FakeUpstream) -> Iterator[LiveGateway]:
         yield live
 
 
-def _post(live: LiveGateway, stream: bool) -> httpx.Response:
+def _post(live: LiveGateway, stream: bool, rid: str = "") -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    return HTTP.post(f"{live.url}/v1/chat/completions", json=body, timeout=30)
+    headers = {"x-request-id": rid} if rid else {}
+    return HTTP.post(f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,14 +108,15 @@ def test_alone_it_becomes_a_clean_error(alone: LiveGateway, hostile: FakeUpstrea
     reply, stream, status = CASES[case]
     hostile.reset()
     hostile.script(reply)
-    r = _post(alone, stream)
+    rid = f"alone-{uuid.uuid4().hex[:8]}"
+    r = _post(alone, stream, rid)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]
     assert "sk-upstr" not in r.text  # an upstream's words about its keys never reach our client
     if "retry-after" in case:
         assert 1 <= int(r.headers["retry-after"]) <= 3600
-    rec = alone.services.recent.records[-1]
+    rec = record_of(alone, rid)
     assert rec.status == status and rec.outcome == "error"
     assert HTTP.get(f"{alone.url}/metrics").status_code == 200
 
@@ -125,11 +128,12 @@ def test_with_a_second_backend_it_fails_over(
     reply, stream, _ = CASES[case]
     hostile.reset()
     hostile.script(reply)
-    r = _post(paired, stream)
+    rid = f"paired-{uuid.uuid4().hex[:8]}"
+    r = _post(paired, stream, rid)
     assert r.status_code == 200, r.text
     text = r.text if stream else json.dumps(r.json())
     assert "good" in text and "hostile" not in text.split('"route"')[0]
-    assert paired.services.recent.records[-1].backend == "good"
+    assert record_of(paired, rid).backend == "good"
 
 
 def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> None:
@@ -182,5 +186,7 @@ def test_a_stream_that_never_ends_is_cut_at_its_total_deadline(hostile: FakeUpst
         took = time.monotonic() - started
         assert r.status_code == 200 and took < 10  # it had started: the end is an error event
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        assert events[-1]["error"]["code"] == "timeout"
-        assert live.services.recent.records[-1].error_code == "timeout"
+        assert events[-1]["error"]["code"] == "timeout" and "total timeout" in events[-1]["error"]["message"]
+        # The record is settled once the response is over, just after the client read its end.
+        records = live.services.recent.records
+        assert wait_for(lambda: len(records) > 0 and records[-1].error_code == "timeout", 5)

@@ -11,7 +11,7 @@ import pytest
 
 from specgate.gateway.http.auth import client_address, parse_networks
 from specgate.gateway.limits import RateLimiter
-from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
+from tests.gateway.live import LiveGateway, records_settle, start_gateway, tiny_settings
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -82,7 +82,7 @@ def test_refused_traffic_is_limited_per_address(tiny_llama_dir: Path) -> None:
         assert sizes[:10] == [413] * 10 and sizes[10:] == [429] * 2
         # Everyone else is served as before.
         assert _models(live, authorization="Bearer k-real", **{"x-forwarded-for": "198.51.100.1"}) == 200
-        records = [r for r in live.services.recent.records if r.endpoint == "chat"]
+        records = [r for r in records_settle(live, 12) if r.endpoint == "chat"]
         assert len(records) == 12 and {r.status for r in records} == {413, 429}  # one record each
     finally:
         live.stop()

@@ -10,7 +10,7 @@ import pytest
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.embedded.chat_template import render_chat
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import LiveGateway, record_of
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
@@ -195,7 +195,7 @@ def test_request_id_header(gateway: LiveGateway, model_name: str) -> None:
     assert ours != "my-req-42" and len(ours) == 32
     r2 = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
     assert len(r2.headers["x-request-id"]) >= 16 and r2.headers["x-request-id"] != "my-req-42"
-    rec = gateway.services.recent.find("my-req-42")  # type: ignore[attr-defined]
+    rec = record_of(gateway, "my-req-42")
     assert (
         rec is not None and rec.outcome == "ok" and rec.completion_tokens == 2 and rec.backend == "embedded"
     )

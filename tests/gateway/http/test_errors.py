@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
+from tests.gateway.live import LiveGateway, record_of, records_settle, start_gateway, tiny_settings, wait_for
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -162,9 +162,14 @@ def test_keys_never_reach_the_logs(
 ) -> None:
     with caplog.at_level("DEBUG"):
         c = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="k-good", max_retries=0)
-        c.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+        c.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"x-request-id": "keys-in-logs"},
+        )
     assert "k-good" not in caplog.text
-    rec = guarded.services.recent.records[-1]  # type: ignore[attr-defined]
+    rec = record_of(guarded, "keys-in-logs")
     assert rec.api_key_id and rec.api_key_id.startswith("key-") and "k-good" not in rec.api_key_id
 
 
@@ -207,7 +212,7 @@ def test_overload_is_503_with_retry_after(
         assert int(third.headers["retry-after"]) >= 1
         assert _shape(third.json())["code"] == "overloaded"
     second.join(60)
-    rec = narrow.services.recent.records  # type: ignore[attr-defined]
+    rec = records_settle(narrow, 3)
     assert [r.status for r in rec].count(503) == 1 and rec[-1].status == 200  # the waiting one was served
 
 
@@ -257,6 +262,7 @@ def test_every_refused_request_leaves_exactly_one_record(guarded: LiveGateway, m
         413,
     )
     records = guarded.services.recent.records
+    assert wait_for(lambda: all(any(r.client_request_id == rid for r in records) for rid in cases), 10)
     for rid, (response, status) in cases.items():
         assert response.status_code == status, rid
         mine = [r for r in records if r.client_request_id == rid]
