@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     url = db_url
     if db_url.startswith("postgresql"):
         real = db_url.split("@", 1)[1].split("/", 1)[0]
-        pg_host, pg_port = real.split(":")
+        pg_host, _, pg_port = real.partition(":")
+        pg_port = pg_port or "5432"
         proxy = TcpProxy((pg_host, int(pg_port))).start()
         url = db_url.replace(real, f"127.0.0.1:{proxy.port}")
         _upgrade(db_url)
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
                 stub_port,
             )
         )
-        rows = _rows_written(db_url, run_id, tally.sent)
+        never = sum(n for name, n in tally.transport_errors.items() if name in NEVER_SENT)
+        rows = _rows_written(db_url, run_id, tally.sent - never)
         blocks = _kv_blocks_idle(base)
     finally:
         gateway.send_signal(signal.SIGINT)
@@ -157,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
         procs["stub"].kill()
         if proxy is not None:
             proxy.stop()
+        if drop_db is not None:
+            drop_db()
     growth = (rss["end"] - rss["warm"]) / rss["warm"] if rss.get("warm") else None
-    never_sent = sum(n for name, n in tally.transport_errors.items() if name in NEVER_SENT)
+    never_sent = never
     report = {
         "run_id": run_id,
         "seconds": duration,
@@ -172,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
         "transport_errors": dict(tally.transport_errors),
         "transport_failures": [{"id": i, "error": e} for i, e, _ in tally.failed_ids[:50]],
         "telemetry_rows": rows,
-        # A request that never left this client (no connection from the pool, refused, or a
-        # keep-alive connection the server closed before reading it) cannot have a row.
+        # A request that never left this client (no connection from the pool, or refused) cannot
+        # have a row; any other transport failure counts against the gateway.
         "never_sent": never_sent,
         "rows_lost": tally.sent - never_sent - rows,
         "kv_blocks_held_when_idle": blocks,
@@ -184,8 +188,6 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "soak.json").write_text(json.dumps(report, indent=2))
     _print(report)
-    if drop_db is not None:
-        drop_db()
     ok = report["responses_500"] == 0 and report["rows_lost"] <= 0 and blocks == 0
     return 0 if ok else 1
 

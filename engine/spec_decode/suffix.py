@@ -130,7 +130,7 @@ class SuffixProposer:
             context = r.token_ids[-self.max_depth :]
             local = self._local.get(r.request_id)
             best: tuple[list[int], float] = ([], 0.0)
-            scope: str | None = ""
+            scope: str | None = ""  # a request never started here (direct use) reads the default scope
             if local is not None:
                 self.commit(r.request_id, r.token_ids, 0)
                 best = self._candidate(local.tree, context, r.k)

@@ -43,6 +43,8 @@ MAX_RETRY_AFTER = 3600.0
 MAX_MESSAGE = 1000  # an upstream's error message is cut here
 MAX_USAGE = 2**31 - 1
 MAX_DEPTH = 64
+MAX_MODEL_ID = 256
+MAX_MODELS = 1024  # model ids taken from one upstream's listing
 
 
 class _Malformed(Exception):
@@ -109,11 +111,11 @@ class OpenAIBackend:
     async def probe(self) -> bool:
         """GET /models: marks the backend up or down and learns its models when none are configured."""
         try:
-            r = await self.client.get(
-                f"{self.settings.base_url}/models", headers=self._headers, timeout=self._timeout
-            )
-            r.raise_for_status()
-            ids = [str(m["id"]) for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+            url = f"{self.settings.base_url}/models"
+            async with self.client.stream("GET", url, headers=self._headers, timeout=self._timeout) as r:
+                r.raise_for_status()
+                raw = await _read_capped(r, self.settings.max_response_bytes)
+            ids = _model_ids(json.loads(raw))
         except Exception as exc:  # any failure means down; the reason goes to the log only
             if self.probe_ok is not False:
                 logger.warning("backend %s failed its health probe: %s", self.name, type(exc).__name__)
@@ -300,12 +302,21 @@ class OpenAIBackend:
 async def _read_capped(response: httpx2.Response, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
-    async for part in response.aiter_bytes():  # decoded: a compressed bomb is capped too
+    async for part in _decoded(response):  # decoded: a compressed bomb is capped too
         size += len(part)
         if size > limit:
             raise _Malformed(f"sent a body over {limit} bytes")
         parts.append(part)
     return b"".join(parts)
+
+
+async def _decoded(response: httpx2.Response) -> AsyncIterator[bytes]:
+    """The body's bytes after its content-encoding; one that does not decode is a protocol error."""
+    try:
+        async for part in response.aiter_bytes():
+            yield part
+    except httpx2.DecodingError:
+        raise _Malformed("sent a body its content-encoding does not decode") from None
 
 
 def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dict[str, Any]:
@@ -341,6 +352,24 @@ def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dic
     return body
 
 
+def _model_ids(listing: Any) -> list[str]:
+    """Model ids an upstream lists, kept only if they could be ours: short printable UTF-8 text.
+    They become routes and metric labels, so an upstream cannot flood or poison either."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    ids: list[str] = []
+    for m in data if isinstance(data, list) else []:
+        name = m.get("id") if isinstance(m, dict) else None
+        if isinstance(name, str) and 0 < len(name) <= MAX_MODEL_ID and name.isprintable():
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                continue
+            ids.append(name)
+        if len(ids) >= MAX_MODELS:
+            break
+    return ids
+
+
 def _depth(root: Any) -> int:
     deepest, stack = 0, [(root, 1)]
     while stack:
@@ -365,7 +394,7 @@ async def _sse_data(response: httpx2.Response, max_line: int) -> AsyncIterator[s
     pending = b""
     lines: list[str] = []
     size = 0
-    async for part in response.aiter_bytes():
+    async for part in _decoded(response):
         pending += part
         *complete, pending = pending.split(b"\n")
         for raw in complete:

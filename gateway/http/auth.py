@@ -76,3 +76,15 @@ def client_address(scope: Mapping[str, Any], headers: Mapping[bytes, bytes], net
             except ValueError:
                 return peer  # garbage from a trusted hop's client: fall back to what we know
     return peer
+
+
+def limit_key(addr: str) -> str:
+    """The rate-limit bucket of an address: itself for IPv4, its /64 for IPv6 (one client holds a
+    whole /64 and could rotate through it)."""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return addr
+    if ip.version == 6 and ip.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip.ipv4_mapped) if ip.version == 6 and ip.ipv4_mapped else str(ip)

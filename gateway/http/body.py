@@ -9,6 +9,7 @@ cannot be encoded again: one such model name used to break /metrics and the tele
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, TypeVar
 
@@ -19,24 +20,33 @@ from specgate.gateway.http.errors import invalid, validation_error
 
 MAX_DEPTH = 64
 M = TypeVar("M", bound=BaseModel)
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def loads(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or an GatewayError (400) saying what is wrong with it."""
+    """The body as a JSON object, or a GatewayError (400) saying what is wrong with it."""
     try:
-        data = json.loads(raw, parse_constant=_no_constants)
+        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16 / UTF-32 from bytes.
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
     except RecursionError:
         raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):  # JSONDecodeError, bad UTF-8, NaN, integers too long
         raise invalid("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
-    _check(data, check_text=_ESCAPED_SURROGATE.search(raw) is not None)
+    _check(data, check_text=_ESCAPED_SURROGATE.search(text) is not None)
     return data
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specgate.gateway.http.auth import client_address, parse_networks
+from specgate.gateway.http.auth import check_key, client_address, limit_key, parse_networks
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.telemetry.records import RequestRecord
@@ -28,6 +28,7 @@ logger = logging.getLogger("specgate.gateway")
 _SANE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
+UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes are never turned away
 
 
 class BodyTooLarge(GatewayError):
@@ -59,6 +60,7 @@ class GatewayMiddleware:
         state["received_perf"] = time.perf_counter()
         addr = client_address(scope, headers, self.trusted_proxies)
         state["client_addr"] = addr
+        bucket = limit_key(addr)  # an IPv6 client's /64: it holds many addresses
         endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
         record = None
         if endpoint is not None and services is not None:
@@ -102,8 +104,8 @@ class GatewayMiddleware:
         escaped: BaseException | None = None
         try:
             declared = headers.get(b"content-length")
-            if services is not None and services.refusals.exhausted(addr):
-                await self._send_error(_too_many_refusals(services.refusals.retry_after(addr)), send_raw)
+            if services is not None and self._refused(services, scope, headers, bucket):
+                await self._send_error(_too_many_refusals(services.refusals.retry_after(bucket)), send_raw)
             elif declared is not None and declared.isdigit() and int(declared) > limit:
                 await self._send_error(BodyTooLarge(limit), send_raw)
             else:
@@ -129,12 +131,24 @@ class GatewayMiddleware:
             status = sent[0] if sent else None
             if services is not None:
                 if status in REFUSALS:
-                    services.refusals.charge(addr)
+                    services.refusals.charge(bucket)
                 if record is not None:
                     if status == 413 and record.error_code is None:
                         record.error_code = "request_too_large"
                     services.metrics.in_flight.dec()
                     services.complete(record, status, escaped)
+
+    @staticmethod
+    def _refused(services: Any, scope: Scope, headers: dict[bytes, bytes], bucket: str) -> bool:
+        """Whether this request is turned away for its address's refusals: not probes, and not a
+        request carrying a valid key (a neighbour behind the same NAT guessing keys must not lock
+        out the clients that hold one)."""
+        if scope["path"] in UNLIMITED_PATHS or not services.refusals.exhausted(bucket):
+            return False
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        admin = services.settings.admin_key
+        accepted = [*services.api_keys, *([admin.get_secret_value()] if admin is not None else [])]
+        return not (scheme.lower() == "bearer" and check_key(token.strip(), accepted))
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Any) -> None:

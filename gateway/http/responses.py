@@ -21,14 +21,15 @@ class SafeJSONResponse(JSONResponse):
         except UnicodeEncodeError:
             return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
         except ValueError:  # NaN / Infinity from an upstream: null is the nearest valid JSON
-            return json.dumps(_finite(content), ensure_ascii=True, separators=(",", ":")).encode()
+            return json.dumps(finite(content), ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None."""
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value

@@ -63,7 +63,8 @@ async def handle(
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
             external = _note_backend(svc, rec, call, backend, decision.backends)
             streaming = True
-            return EventStreamResponse(_events(svc, rec, call, first, rest, external))
+            done = _Closer(rec, call, rest)
+            return EventStreamResponse(_events(svc, rec, call, first, rest, external, done), on_close=done)
         body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
         if _note_backend(svc, rec, call, backend, decision.backends):
             # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
@@ -86,6 +87,7 @@ async def _events(
     first: dict[str, Any],
     rest: AsyncIterator[dict[str, Any]],
     external: bool,
+    done: _Closer,
 ) -> AsyncIterator[bytes]:
     try:
         chunk: dict[str, Any] | None = first
@@ -96,11 +98,13 @@ async def _events(
                 chunk["metrics"] = _external_metrics(call, chunk.get("metrics"))
             yield sse(chunk)
             chunk = await anext(rest, None)
+        done.completed = True  # everything is out but the end marker
         yield DONE
     except GatewayError as err:
         error = err.for_client(svc.settings.retry_after_seconds)
         rec.outcome, rec.error_code = "error", error.code or "backend_error"
         logger.warning("stream %s failed after it started: %s", rec.request_id, err.message)
+        done.completed = True
         yield error.sse_event()
     except (asyncio.CancelledError, GeneratorExit):
         rec.outcome = "cancelled"
@@ -108,12 +112,10 @@ async def _events(
     except Exception:
         logger.exception("stream %s failed after it started", rec.request_id)
         rec.outcome, rec.error_code = "error", "internal_error"
+        done.completed = True
         yield GatewayError(500, "internal server error", code="internal_error").sse_event()
     finally:
-        aclose = getattr(rest, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        _close(rec, call)
+        await done()
 
 
 def _note_backend(
@@ -122,7 +124,7 @@ def _note_backend(
     """Record which backend took the call (dispatch named it on the route); whether it is external."""
     rec.backend = backend.name
     if order and backend.name != order[0]:
-        svc.metrics.failovers.labels(call.model).inc()
+        svc.metrics.failovers.labels(svc.metrics.model_label(call.model)).inc()
     return backend.external
 
 
@@ -147,6 +149,28 @@ def _observe(rec: RequestRecord, obs: Observation) -> None:
     rec.upstream = obs.upstream
     rec.attempts = obs.attempts
     rec.spec_steps = obs.spec_steps
+
+
+class _Closer:
+    """Ends a stream's backend side once, whichever runs first: the event generator's `finally`, or
+    the response's `on_close` when the generator never started."""
+
+    def __init__(self, rec: RequestRecord, call: BackendCall, rest: AsyncIterator[Any]) -> None:
+        self.rec, self.call, self.rest, self.done = rec, call, rest, False
+        self.completed = False  # the stream reached its end ([DONE] or an error event)
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if not self.completed and self.rec.outcome == "ok":
+            self.rec.outcome = "cancelled"  # it ended before its end: the client left
+        try:
+            aclose = getattr(self.rest, "aclose", None)
+            if aclose is not None:
+                await aclose()  # the engine aborts the request, an upstream response is closed
+        finally:
+            _close(self.rec, self.call)
 
 
 def _close(rec: RequestRecord, call: BackendCall | None) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from specgate.gateway.http.responses import finite
 
 T = TypeVar("T")
 
@@ -51,9 +53,17 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class EventStreamResponse(Response):
     """An SSE response whose producer is cancelled the moment the client disconnects."""
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         # Response.__init__ would render a body and a content-length; a stream has neither.
         self.events = events
+        # Runs once the response is over however it ended, even if the producer never started
+        # (a generator that never ran has no `finally` of its own to run).
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.stream_headers = [
@@ -73,10 +83,12 @@ class EventStreamResponse(Response):
             if not producer.done():
                 producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+            if self.on_close is not None:
+                await self.on_close()
 
     async def _produce(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.stream_headers})
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.stream_headers})
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -89,7 +101,11 @@ class EventStreamResponse(Response):
 
 
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    try:
+        text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN / Infinity from an upstream: null is the nearest valid JSON
+        text = json.dumps(finite(obj), separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

@@ -80,6 +80,21 @@ def step_rows(rec: RequestRecord) -> list[dict[str, Any]]:
     ]
 
 
+# Rows spooled by earlier versions name some columns as they were before revision 0004.
+LEGACY_COLUMNS = {
+    "num_spec_steps": "num_drafts",
+    "num_accepted_draft_tokens": "num_accepted_tokens",
+    "acceptance_histogram": "num_accepted_tokens_per_pos",
+}
+
+
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A spooled row under today's column names."""
+    if not any(old in row for old in LEGACY_COLUMNS):
+        return row
+    return {LEGACY_COLUMNS.get(k, k): v for k, v in row.items()}
+
+
 def to_sql(row: dict[str, Any]) -> dict[str, Any]:
     """Unix-second timestamps to timezone-aware datetimes."""
     out = dict(row)

@@ -52,8 +52,10 @@ def read_lines(path: Path) -> Iterator[dict[str, Any]]:
 class Spool:
     """This process's spool file in `directory`, locked while the process lives."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, legacy: str | Path | None = None) -> None:
         self.directory = Path(directory)
+        # The single spool file of versions before one-file-per-process: adopted like an orphan.
+        self.legacy = Path(legacy) if legacy is not None else None
         self.path = self.directory / f"spool-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
         self._fd: int | None = None
 
@@ -73,8 +75,15 @@ class Spool:
         """Raises OSError (disk full, ...); a partial line it leaves is skipped on replay."""
         data = "".join(json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in entries)
         fd = self._open()
-        write_all(fd, data.encode("utf-8", "replace"))
-        os.fsync(fd)
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            write_all(fd, data.encode("utf-8", "replace"))
+            os.fsync(fd)
+        except OSError:
+            # Cut a partial batch off again, so the next append does not glue onto a torn line.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
 
     def __len__(self) -> int:
         if not self.path.exists():
@@ -110,9 +119,10 @@ class Spool:
 
     def orphans(self) -> Iterator[Orphan]:
         """Other spool files in the directory whose owner is gone, each locked for the caller."""
-        if not self.directory.is_dir():
-            return
-        for path in sorted(self.directory.glob(PATTERN)):
+        paths = sorted(self.directory.glob(PATTERN)) if self.directory.is_dir() else []
+        if self.legacy is not None and self.legacy.is_file():
+            paths.append(self.legacy)
+        for path in paths:
             if path == self.path:
                 continue
             orphan = Orphan.claim(path)

@@ -28,12 +28,13 @@ class TelemetryStore:
         )
         # One directory per database; in it, one spool file per process (see spool.py).
         spool = settings.spool_dir or str(default_data_dir() / f"telemetry-spool-{self._url_tag()}")
+        legacy = default_data_dir() / f"telemetry-spool-{self._url_tag()}.jsonl"  # before 0.2
         self.engine = make_engine(
             self.url, connect_timeout=settings.connect_timeout, statement_timeout=settings.statement_timeout
         )
         self.writer = TelemetryWriter(
             self.engine,
-            Spool(Path(spool)),
+            Spool(Path(spool), legacy),
             batch_size=settings.batch_size,
             flush_interval=settings.flush_interval,
             max_queue=settings.max_queue,

@@ -35,10 +35,11 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from specgate.gateway.telemetry.fit import clean_text, fit_row
 from specgate.gateway.telemetry.records import RequestRecord
-from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql
+from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql, upgrade_row
 from specgate.gateway.telemetry.spool import Orphan, Spool, write_all
 from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 
@@ -48,7 +49,20 @@ ORPHAN_SCAN_INTERVAL = 10.0
 
 
 class DatabaseDown(Exception):
-    """An insert failed and the database does not answer a ping: spool, don't quarantine."""
+    """An insert failed for a reason that is not the rows' (the database is unreachable, locked or
+    timing out): spool and retry, don't quarantine."""
+
+
+def _row_fault(exc: Exception) -> bool:
+    """Whether a failed insert is the rows' fault: a value the database refuses (DataError,
+    IntegrityError) or one that could not even be sent (a binding or conversion error before the
+    database saw it). Operational errors (timeouts, locks, connections) and programming errors (a
+    schema out of step) are the database's: the rows wait in the spool instead."""
+    if isinstance(exc, DataError | IntegrityError):
+        return True
+    if isinstance(exc, DBAPIError):
+        return False
+    return isinstance(exc, StatementError | ValueError | TypeError | OverflowError | UnicodeError)
 
 
 @dataclass(slots=True)
@@ -234,17 +248,19 @@ class TelemetryWriter:
         except OSError:
             return
         for orphan in orphans:
-            self._adopt(orphan)
+            try:
+                self._adopt(orphan)
+            except DatabaseDown:
+                return
+            except Exception:
+                logger.exception("replaying the orphaned spool %s failed", orphan.path)
 
     def _adopt(self, orphan: Orphan) -> None:
         try:
             n = self._insert_chunks(orphan.read())
-        except DatabaseDown:
-            orphan.release()  # try again at the next scan
-            return
-        except OSError:
-            orphan.release()
-            return
+        except BaseException:
+            orphan.release()  # the lock goes with it: the next scan (here or elsewhere) tries again
+            raise
         orphan.done()
         self.counters.adopted += 1
         self.counters.replayed += n
@@ -265,30 +281,36 @@ class TelemetryWriter:
         return n
 
     def _insert_resilient(self, entries: list[dict[str, Any]]) -> None:
-        """Insert `entries`; raises DatabaseDown if the database is gone. Rows it refuses while it
-        is up are quarantined one by one."""
+        """Insert `entries`; raises DatabaseDown if the database cannot take rows now (unreachable,
+        locked, timing out: spool and retry). Rows it refuses for a reason of their own are found by
+        halving the batch and quarantined, the rest inserted."""
         try:
             self._insert_entries(entries)
         except Exception as exc:
             self.counters.db_errors += 1
-            if not self.ping():
-                self.note_db_failure(exc)
-                raise DatabaseDown() from exc
-            for entry in entries:
-                self._insert_or_quarantine(entry)
+            self._raise_if_down(exc)
+            self._bisect(entries, exc)
         self.db_up = True
 
-    def _insert_or_quarantine(self, entry: dict[str, Any]) -> None:
-        try:
-            self._insert_entries([entry])
-        except Exception as exc:
-            if not self.ping():
-                self.note_db_failure(exc)
-                raise DatabaseDown() from exc
-            self._quarantine(entry, exc)
+    def _bisect(self, entries: list[dict[str, Any]], exc: Exception) -> None:
+        if len(entries) == 1:
+            self._quarantine(entries[0], exc)
+            return
+        mid = len(entries) // 2
+        for half in (entries[:mid], entries[mid:]):
+            try:
+                self._insert_entries(half)
+            except Exception as half_exc:
+                self._raise_if_down(half_exc)
+                self._bisect(half, half_exc)
+
+    def _raise_if_down(self, exc: Exception) -> None:
+        if not _row_fault(exc) or not self.ping():
+            self.note_db_failure(exc)
+            raise DatabaseDown() from exc
 
     def _insert_entries(self, entries: list[dict[str, Any]]) -> None:
-        rows = [to_sql(fit_row(requests, e["r"])) for e in entries]
+        rows = [to_sql(fit_row(requests, upgrade_row(e["r"]))) for e in entries]
         steps = [fit_row(spec_steps, s) for e in entries for s in e.get("s", ())]
         with self.engine.begin() as conn:
             conn.execute(self._insert(requests).on_conflict_do_nothing(index_elements=["request_id"]), rows)

@@ -115,6 +115,8 @@ def test_bodies_refused_before_any_parameter_is_read(target: LiveGateway, model:
         "deep arrays": b"[" * 100_000 + b"]" * 100_000,
         "huge integer": b'{"seed": ' + b"9" * 10_000 + b"}",
         "not utf-8": b'{"model": "\xff\xfe"}',
+        "utf-16": '{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'.encode("utf-16"),
+        "a float out of range": b'{"model": "m", "messages": [], "extra": 1e999}',
     }
     for name, raw in cases.items():
         r = send(target, CHAT, raw)

@@ -108,7 +108,9 @@ class EmbeddedBackend:
         return worker
 
     async def _watch(self, interval: float = 0.5) -> None:
-        """If the engine thread ever ends on its own, fail its waiters (retryable) and start another."""
+        """If the engine thread ever ends on its own, fail its waiters (retryable) and start another;
+        a start that fails is retried with backoff."""
+        backoff = 1.0
         while not self._closing:
             await asyncio.sleep(interval)
             w = self.worker
@@ -120,8 +122,11 @@ class EmbeddedBackend:
                 engine = await asyncio.to_thread(self._build)
             except Exception as exc:
                 self.load_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("restarting the embedded engine failed")
+                logger.exception("restarting the embedded engine failed; retrying in %.0f s", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(60.0, backoff * 2)
                 continue
+            backoff = 1.0
             self.load_error = None
             self.restarts += 1
             self.worker = self._worker(engine)

@@ -14,13 +14,16 @@ dies of an exception; if the thread ends anyway, `alive` turns false and the bac
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import torch
 
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
@@ -148,8 +151,9 @@ class EngineWorker:
             broken = max(self._step_failures, self.engine.consecutive_forward_failures)
             if broken >= self._max_step_failures:
                 self._rebuild()
-        for request_id in self.engine.request_ids():
-            self.engine.abort(request_id)
+        if self.engine is not None:  # None when stopped in the middle of a rebuild
+            for request_id in self.engine.request_ids():
+                self.engine.abort(request_id)
 
     def _step(self, deliveries: list[tuple[str, Item]]) -> None:
         engine = self.engine
@@ -159,13 +163,21 @@ class EngineWorker:
         self._step_failures = 0
         for out in outputs:
             deliveries.append((out.request_id, out))
-        stats = engine.stats()
+        self._refresh_load(sum(len(o.new_token_ids) for o in outputs), dt)
+
+    def _refresh_load(self, batch_tokens: int, step_time: float) -> None:
+        """The load the event loop reads, from the engine as it is now."""
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            self.load = Load()
+            return
         self.load = Load(
             stats.num_waiting,
             stats.num_running,
             stats.kv_usage,
-            sum(len(o.new_token_ids) for o in outputs),
-            dt,
+            batch_tokens,
+            step_time,
             self.load.steps + 1,
             stats.kv_blocks_used,
         )
@@ -207,6 +219,7 @@ class EngineWorker:
             logger.exception("engine cleanup after a failed step also failed")
             self._step_failures = self._max_step_failures  # its state is suspect: rebuild it
         error = RuntimeError(f"engine step failed: {type(exc).__name__}")
+        self._refresh_load(0, 0.0)
         return [(rid, error) for rid in failed]
 
     def _rebuild(self) -> None:
@@ -218,11 +231,17 @@ class EngineWorker:
             held = []
         if self._factory is None:
             logger.error("the embedded engine is broken and has no factory to rebuild it from")
-            self._step_failures = 0
+            self._step_failures = self.engine.consecutive_forward_failures = 0
             return
         self.state = REBUILDING
         failed: list[tuple[str, Item]] = [(rid, unavailable) for rid in held]
         self._loop.call_soon_threadsafe(self._deliver, failed, 0)
+        # Let the broken engine (weights, KV pool) go before the new one is built beside it.
+        self.engine = cast(Engine, None)
+        self.load = Load()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         wait = self._rebuild_backoff
         while not self._stop.is_set():
             logger.error("the embedded engine is broken; rebuilding it")

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
 from specgate.gateway.http.deps import ServicesDep
+from specgate.gateway.http.responses import SafeJSONResponse
 
 router = APIRouter()
 
@@ -32,7 +33,7 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
         checks[name] = {"ok": ok, "detail": detail}
     ready = all(c["ok"] for c in checks.values())
     body = {"status": "ready" if ready else "not_ready", "checks": checks, "backends": backends}
-    return JSONResponse(body, status_code=200 if ready else 503)
+    return SafeJSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")

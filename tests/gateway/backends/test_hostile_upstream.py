@@ -53,6 +53,13 @@ CASES: dict[str, tuple[Reply, bool, int]] = {
         True,
         504,
     ),
+    "gzip that does not decode": (
+        Reply.raw(
+            200, b"not gzip at all", [("content-type", "application/json"), ("content-encoding", "gzip")]
+        ),
+        False,
+        502,
+    ),
     "retry-after infinity": (Reply.error(503, retry_after="inf"), False, 503),
     "retry-after nan": (Reply.error(429, retry_after="nan"), True, 429),
     "its own 401": (Reply.error(401, "Incorrect API key provided: sk-upstr****"), False, 502),
@@ -190,3 +197,15 @@ def test_a_stream_that_never_ends_is_cut_at_its_total_deadline(hostile: FakeUpst
         # The record is settled once the response is over, just after the client read its end.
         records = live.services.recent.records
         assert wait_for(lambda: len(records) > 0 and records[-1].error_code == "timeout", 5)
+
+
+def test_a_hostile_model_listing_cannot_poison_routes_readyz_or_metrics(hostile: FakeUpstream) -> None:
+    weird = FakeUpstream(
+        models=("ok-model", "\ud800", "x" * 1000, "bad\nname", *(f"m{i}" for i in range(2000)))
+    )
+    with weird, running_gateway(backend("weird", weird, models={}, health_interval=0.0)) as live:
+        listed = live.services.registry.get("weird").model_ids()  # type: ignore[union-attr]
+        assert "ok-model" in listed and len(listed) <= 1024
+        assert all(m.isprintable() and len(m) <= 256 for m in listed)
+        assert HTTP.get(f"{live.url}/readyz").status_code == 200
+        assert HTTP.get(f"{live.url}/metrics").status_code == 200

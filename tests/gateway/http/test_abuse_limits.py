@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specgate.gateway.http.auth import client_address, parse_networks
+from specgate.gateway.http.auth import client_address, limit_key, parse_networks
 from specgate.gateway.limits import RateLimiter
 from tests.gateway.live import LiveGateway, records_settle, start_gateway, tiny_settings
 
@@ -71,10 +71,14 @@ def test_refused_traffic_is_limited_per_address(tiny_llama_dir: Path) -> None:
         attacker = {"x-forwarded-for": "198.51.100.66"}
         guesses = [_models(live, authorization=f"Bearer guess-{i}", **attacker) for i in range(14)]
         assert guesses[:10] == [401] * 10 and guesses[10:] == [429] * 4
-        # Now even its right key waits: the budget is the address's, checked before the key.
-        assert _models(live, authorization="Bearer k-real", **attacker) == 429
+        # The address is turned away before any key or body is looked at, except for a request that
+        # carries a valid key (a neighbour behind the same NAT guessing keys must not lock it out)
+        # and for the probes.
+        assert _models(live, authorization="Bearer guess-again", **attacker) == 429
+        assert _models(live, authorization="Bearer k-real", **attacker) == 200
+        assert httpx.get(f"{live.url}/metrics", headers=attacker).status_code == 200
         # Oversized bodies count too.
-        big = {"x-forwarded-for": "198.51.100.67", "authorization": "Bearer k-real"}
+        big = {"x-forwarded-for": "198.51.100.67"}
         sizes = [
             httpx.post(f"{live.url}/v1/chat/completions", content=b"x" * 4096, headers=big).status_code
             for _ in range(12)
@@ -86,6 +90,12 @@ def test_refused_traffic_is_limited_per_address(tiny_llama_dir: Path) -> None:
         assert len(records) == 12 and {r.status for r in records} == {413, 429}  # one record each
     finally:
         live.stop()
+
+
+def test_ipv6_clients_are_limited_by_their_64() -> None:
+    assert limit_key("2001:db8:1:2:aaaa::1") == limit_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert limit_key("2001:db8:1:3::1") != limit_key("2001:db8:1:2::1")
+    assert limit_key("203.0.113.7") == "203.0.113.7" and limit_key("::ffff:203.0.113.7") == "203.0.113.7"
 
 
 def test_limiter_state_is_bounded() -> None:

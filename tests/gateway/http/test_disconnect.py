@@ -74,3 +74,17 @@ def test_gateway_serves_normally_after_disconnects(gateway: LiveGateway, model_n
         f"{gateway.url}/v1/completions", json={"model": model_name, "prompt": "ab", "max_tokens": 3}
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_events_are_valid_json_even_with_an_upstreams_nan() -> None:
+    import json as _json
+
+    from specgate.gateway.http.sse import sse
+
+    event = sse({"x": float("nan"), "y": [float("inf"), 1.5], "z": "\ud800"})
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    body = _json.loads(event.removeprefix(b"data: ").strip(), parse_constant=refuse)
+    assert body["x"] is None and body["y"] == [None, 1.5]

@@ -306,3 +306,67 @@ print("ready", flush=True)
 sys.stdin.read()
 spool.close()
 """
+
+
+def test_only_the_rows_own_faults_are_quarantined() -> None:
+    """A timeout, a lock or a lost connection is the database's fault: those rows wait in the spool."""
+    import sqlite3
+
+    from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
+
+    from specgate.gateway.telemetry.writer import _row_fault
+
+    orig = sqlite3.Error("x")
+    assert _row_fault(DataError("insert", {}, orig)) and _row_fault(IntegrityError("insert", {}, orig))
+    assert _row_fault(StatementError("bind", "insert", {}, UnicodeEncodeError("utf-8", "x", 0, 1, "y")))
+    assert _row_fault(OverflowError("date out of range"))
+    assert not _row_fault(OperationalError("insert", {}, orig))  # locked, timed out, gone
+    assert not _row_fault(ProgrammingError("insert", {}, orig))  # a schema out of step
+
+
+def test_a_failed_spool_write_leaves_no_torn_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from specgate.gateway.telemetry import spool as spool_module
+
+    spool = Spool(tmp_path / "spool")
+    spool.append([{"r": {"request_id": "before"}}])
+    real = spool_module.write_all
+
+    def half_then_fail(fd: int, data: bytes) -> None:
+        os.write(fd, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool_module, "write_all", half_then_fail)
+    with pytest.raises(OSError):
+        spool.append([{"r": {"request_id": "lost-" + "x" * 100}}])
+    monkeypatch.setattr(spool_module, "write_all", real)
+    spool.append([{"r": {"request_id": "after"}}])
+    assert [e["r"]["request_id"] for e in spool.read()] == ["before", "after"]
+
+
+def test_a_spool_from_before_the_per_process_files_is_adopted(sqlite_url: str, tmp_path: Path) -> None:
+    """The single spool file of earlier versions, with the old speculation column names."""
+    import json
+
+    schema.upgrade(sqlite_url)
+    legacy = tmp_path / "telemetry-spool-old.jsonl"
+    row = request_row(record(1))
+    row["num_spec_steps"] = row.pop("num_drafts")
+    legacy.write_text(json.dumps({"r": row}) + "\n")
+    w = TelemetryWriter(
+        schema.make_engine(sqlite_url),
+        Spool(tmp_path / "spool", legacy),
+        flush_interval=0.02,
+        retry_interval=0.1,
+    )
+    w.start()
+    deadline = time.monotonic() + 10
+    while legacy.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.close()
+    engine = schema.make_engine(sqlite_url)
+    with engine.connect() as conn:
+        got = conn.execute(select(requests.c.num_drafts)).scalar_one()
+    engine.dispose()
+    assert not legacy.exists() and got == 5
