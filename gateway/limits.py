@@ -48,19 +48,33 @@ class RateLimiter:
                 self.buckets.popitem(last=False)
         else:
             self.buckets.move_to_end(key)
-        b.tokens = min(self.burst, b.tokens + (now - b.updated) * self.rate)
+        b.tokens = self._refilled(b, now)
         b.updated = now
         return b
+
+    def _refilled(self, b: _Bucket, now: float) -> float:
+        return min(self.burst, b.tokens + (now - b.updated) * self.rate)
+
+    def _wait(self, tokens: float) -> float:
+        """Seconds until a bucket holding `tokens` has a whole one (0.0: it has one now)."""
+        return 0.0 if tokens >= 1.0 else math.ceil((1.0 - tokens) / self.rate)
 
     def take(self, key: str, now: float | None = None) -> float:
         """Spend one token; 0.0 if there was one, else the seconds until there will be."""
         if self.rpm <= 0:
             return 0.0
         b = self._bucket(key, time.monotonic() if now is None else now)
-        if b.tokens < 1.0:
-            return math.ceil((1.0 - b.tokens) / self.rate)
-        b.tokens -= 1.0
-        return 0.0
+        wait = self._wait(b.tokens)
+        if not wait:
+            b.tokens -= 1.0
+        return wait
+
+    def wait(self, key: str, now: float | None = None) -> float:
+        """What `take` would answer, without spending a token or making a bucket for `key`."""
+        b = self.buckets.get(key)
+        if self.rpm <= 0 or b is None:
+            return 0.0
+        return self._wait(self._refilled(b, time.monotonic() if now is None else now))
 
     def check(self, key: str, now: float | None = None) -> None:
         wait = self.take(key, now)
@@ -81,19 +95,10 @@ class RefusalBudget:
     limiter: RateLimiter
 
     def exhausted(self, addr: str, now: float | None = None) -> bool:
-        if self.limiter.rpm <= 0:
-            return False
-        b = self.limiter.buckets.get(addr)
-        if b is None:
-            return False
-        now = time.monotonic() if now is None else now
-        return min(self.limiter.burst, b.tokens + (now - b.updated) * self.limiter.rate) < 1.0
+        return self.limiter.wait(addr, now) > 0
 
     def retry_after(self, addr: str) -> float:
-        b = self.limiter.buckets.get(addr)
-        if b is None or self.limiter.rpm <= 0:
-            return 1.0
-        return max(1.0, math.ceil((1.0 - b.tokens) / self.limiter.rate))
+        return max(1.0, self.limiter.wait(addr))
 
     def charge(self, addr: str) -> None:
         self.limiter.take(addr)

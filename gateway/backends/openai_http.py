@@ -30,6 +30,7 @@ from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
 from specgate.gateway.backends.upstream_stats import capture
 from specgate.gateway.protocol.errors import GatewayError
+from specgate.gateway.protocol.nesting import MAX_DEPTH, nests_deeper
 from specgate.gateway.settings import BackendSettings
 
 logger = logging.getLogger("specgate.backend")
@@ -42,7 +43,6 @@ LATENCY_EWMA = 0.2  # weight of the newest response in the latency average
 MAX_RETRY_AFTER = 3600.0
 MAX_MESSAGE = 1000  # an upstream's error message is cut here
 MAX_USAGE = 2**31 - 1
-MAX_DEPTH = 64
 MAX_MODEL_ID = 256
 MAX_MODELS = 1024  # model ids taken from one upstream's listing
 
@@ -330,7 +330,7 @@ def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dic
         raise _Malformed(f"sent a body that is not JSON{kind}") from None
     if not isinstance(body, dict):
         raise _Malformed("sent JSON that is not an object")
-    if _depth(body) > MAX_DEPTH:
+    if nests_deeper(body, MAX_DEPTH):
         raise _Malformed(f"sent JSON nested deeper than {MAX_DEPTH} levels")
     choices = body.get("choices")
     if choices is not None and (
@@ -368,18 +368,6 @@ def _model_ids(listing: Any) -> list[str]:
         if len(ids) >= MAX_MODELS:
             break
     return ids
-
-
-def _depth(root: Any) -> int:
-    deepest, stack = 0, [(root, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth > MAX_DEPTH:
-            break
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return deepest
 
 
 def _text(value: Any) -> str:

@@ -24,7 +24,11 @@ def key_id(key: str) -> str:
 
 
 def bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+    return bearer(request.headers.get("authorization", ""))
+
+
+def bearer(header: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value, else None."""
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None

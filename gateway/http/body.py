@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from specgate.gateway.http.errors import invalid, validation_error
+from specgate.gateway.protocol.nesting import MAX_DEPTH, nests_deeper
 
-MAX_DEPTH = 64
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -46,29 +46,26 @@ def loads(raw: bytes) -> dict[str, Any]:
         raise invalid("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
-    _check(data, check_text=_ESCAPED_SURROGATE.search(text) is not None)
+    if nests_deeper(data, MAX_DEPTH):
+        raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    if _ESCAPED_SURROGATE.search(text) is not None:  # only then can a string hold a lone surrogate
+        _check_text(data)
     return data
 
 
-def _check(root: Any, check_text: bool) -> None:
-    """Depth and (when the raw body had surrogate escapes) lone surrogates, without recursion."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
+def _check_text(root: Any) -> None:
+    """Every key and string in the body is valid Unicode (no lone surrogate), without recursion."""
+    stack: list[Any] = [root]
     while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if check_text:
-                    _text(key)
-                if isinstance(value, dict | list) or (check_text and isinstance(value, str)):
-                    stack.append((value, depth + 1))
-        elif isinstance(node, list):
-            for value in node:
-                if isinstance(value, dict | list) or (check_text and isinstance(value, str)):
-                    stack.append((value, depth + 1))
-        elif isinstance(node, str):
+        node = stack.pop()
+        if isinstance(node, str):
             _text(node)
+        elif isinstance(node, dict):
+            for key in node:
+                _text(key)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _text(value: str) -> None:

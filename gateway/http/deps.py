@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from specgate.gateway.http.auth import bearer_token, check_key, key_id, limit_key, unauthorized
+from specgate.gateway.http.auth import bearer_token, check_key, key_id, unauthorized
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.services import Services
 
@@ -38,8 +38,8 @@ async def api_key(request: Request, svc: ServicesDep) -> str | None:
     record = getattr(request.state, "record", None)
     if record is not None:
         record.api_key_id = ident
-    addr = getattr(request.state, "client_addr", None) or "unknown"
-    svc.limiter.check(ident if keys and ident else f"addr:{limit_key(addr)}")
+    bucket = getattr(request.state, "client_bucket", None) or "unknown"  # set by the middleware
+    svc.limiter.check(ident if keys and ident else f"addr:{bucket}")
     return ident
 
 

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from specgate.gateway.http.responses import SafeJSONResponse
 from specgate.gateway.protocol.errors import GatewayError, invalid
+from specgate.gateway.protocol.schemas import MESSAGE_ROLES
 
 
 def error_response(error: GatewayError) -> JSONResponse:
@@ -27,7 +28,6 @@ def error_response(error: GatewayError) -> JSONResponse:
 
 logger = logging.getLogger("specgate.gateway")
 MAX_PARAM = 200  # a parameter path or message fragment echoed back is cut here
-MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _MEMBER = re.compile(r"[\[\]-]")  # union members: list[int], constrained-str, function-after[...]
 _TYPES_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 

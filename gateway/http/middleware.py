@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specgate.gateway.http.auth import check_key, client_address, limit_key, parse_networks
+from specgate.gateway.http.auth import bearer, check_key, client_address, limit_key, parse_networks
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.telemetry.records import RequestRecord
@@ -60,7 +60,7 @@ class GatewayMiddleware:
         state["received_perf"] = time.perf_counter()
         addr = client_address(scope, headers, self.trusted_proxies)
         state["client_addr"] = addr
-        bucket = limit_key(addr)  # an IPv6 client's /64: it holds many addresses
+        bucket = state["client_bucket"] = limit_key(addr)  # an IPv6 client's /64: it holds many
         endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
         record = None
         if endpoint is not None and services is not None:
@@ -145,10 +145,10 @@ class GatewayMiddleware:
         out the clients that hold one)."""
         if scope["path"] in UNLIMITED_PATHS or not services.refusals.exhausted(bucket):
             return False
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
         admin = services.settings.admin_key
         accepted = [*services.api_keys, *([admin.get_secret_value()] if admin is not None else [])]
-        return not (scheme.lower() == "bearer" and check_key(token.strip(), accepted))
+        return not check_key(token, accepted)
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Any) -> None:

@@ -34,13 +34,6 @@ class RouteDecision:
         method = "upstream" if external else (self.spec.method if self.spec is not None else "off")
         self.arm = f"{backend}:{method}"
 
-    @property
-    def method(self) -> str | None:
-        """The speculation method the engine was asked for (None for an external backend)."""
-        if self.external:
-            return None
-        return self.spec.method if self.spec is not None else "off"
-
     def as_dict(self) -> dict[str, Any]:
         spec: dict[str, Any] | None = None
         if not self.external:

@@ -191,7 +191,7 @@ class ToolMessage(ChatMessage):
 
 
 Message = Annotated[InstructionMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
-MESSAGE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 class ChatCompletionRequest(_Sampling):

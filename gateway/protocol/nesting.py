@@ -1,0 +1,21 @@
+"""How deep a parsed JSON value nests: one bound for what clients send and what upstreams answer
+(json parses up to the interpreter's recursion limit; everything after it walks these values)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_DEPTH = 64
+
+
+def nests_deeper(root: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether objects and arrays in `root` nest more than `limit` levels (no recursion)."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict | list):
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
