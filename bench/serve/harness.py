@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,32 +19,59 @@ import httpx
 import openai
 from tqdm import tqdm
 
-from specgate.bench.serve import arrivals, datasets, report
-from specgate.bench.serve.metrics import RequestResult, spec_summary, summarize
-from specgate.bench.serve.runner import POLICY, closed_loop, open_loop, send
+from specgate.bench.serve import arrivals, comparison, datasets, peer_arm, peer_server, report
+from specgate.bench.serve.metrics import RequestResult, spec_summary
+from specgate.bench.serve.runner import PLAIN, POLICY, Plan, measure, warm_up
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.per_category, args.max_tokens, args.concurrency, args.arms = 1, 32, "1", "policy,plain,ngram"
         args.rate = args.rate.split(",")[0]
+    if args.ignore_eos is None:  # against a peer, every answer is max_tokens long on both sides
+        args.ignore_eos = args.peer is not None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    peer = peer_arm.settings(args) if args.peer else None
+    reqs, trace = _workload(args)
+    arms = args.arms.split(",")
+    slos = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(",") if kv)}
+    plan = Plan(
+        reqs,
+        _points(args, len(reqs), trace),
+        uuid.uuid4().hex[:8],
+        args.temperature,
+        args.max_concurrency,
+        slos,
+    )
+    bar = tqdm(total=len(reqs) * (len(arms) + bool(peer)) * len(plan.points), desc="bench serve", unit="req")
     server, base_url = (None, args.base_url.rstrip("/")) if args.base_url else start_local_gateway(args, out)
     try:
-        return asyncio.run(_run(args, base_url, out, server is not None))
+        rep, runs = asyncio.run(_run(args, base_url, out, server is not None, plan, bar.update))
     finally:
-        if server is not None:
+        if server is not None:  # stopped before the peer starts: the two never share the machine
             server.terminate()
             server.wait(30)
+    if peer is not None:
+        try:
+            runs += peer_arm.run(peer, plan, out, bar.update)
+            rep["peer"] = {**peer, "table": comparison.table(runs)}
+        except (RuntimeError, OSError) as exc:  # keep specgate's measurements: report, then fail
+            rep["peer"] = {**peer, "error": str(exc)}
+    bar.close()
+    rep["runs"] = [{k: v for k, v in r.items() if k not in ("results", "t0")} for r in runs]
+    rep["categories"] = by_category(
+        [r for run in runs if run["point"] == runs[0]["point"] for r in run["results"]]
+    )
+    report.write(rep, out, with_plots=not args.no_plots)
+    sys.stdout.write(report.markdown(rep) + f"\nreport: {out / 'report.md'}\n")
+    failed = sum(r["summary"]["failed"] for r in rep["runs"])
+    peer_failed = bool(rep.get("peer", {}).get("error"))
+    return 1 if failed or peer_failed or (rep.get("telemetry") and not rep["telemetry"]["agree"]) else 0
 
 
 def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = peer_server.free_port()
     cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(port)]
     for flag in ("model", "dtype", "threads"):
         if getattr(args, flag):
@@ -66,10 +94,19 @@ def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess
     raise RuntimeError("the gateway did not become ready in 10 minutes")
 
 
-def _requests(args: argparse.Namespace) -> list[datasets.BenchRequest]:
+def _workload(
+    args: argparse.Namespace,
+) -> tuple[list[datasets.BenchRequest], list[arrivals.TraceRequest] | None]:
+    """The requests every arm gets, and the trace whose lengths and arrivals they follow (if any)."""
     if args.dataset_path:
-        return datasets.from_jsonl(args.dataset_path, args.max_tokens)
-    return datasets.shipped(args.per_category, args.max_tokens, args.categories.split(","))
+        reqs = datasets.from_jsonl(args.dataset_path, args.max_tokens)
+    else:
+        reqs = datasets.shipped(args.per_category, args.max_tokens, args.categories.split(","))
+    if not args.arrival.startswith("azure"):
+        return reqs, None
+    trace = arrivals.load_trace(args.arrival.split("-")[1], limit=len(reqs))
+    wanted = [(t.context_tokens, t.generated_tokens) for t in trace]
+    return datasets.match_lengths(reqs, wanted, args.trace_max_context, args.max_tokens), trace
 
 
 def _points(
@@ -88,7 +125,10 @@ def _points(
     return out
 
 
-async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) -> int:
+async def _run(
+    args: argparse.Namespace, base_url: str, out: Path, local: bool, plan: Plan, on_done: Callable[[], None]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """specgate's arms; the report's config and the checks that need the gateway up."""
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1",
         api_key=os.environ.get("OPENAI_API_KEY", "none"),
@@ -96,66 +136,25 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
         timeout=600,
     )
     model = args.model_name or (await client.models.list()).data[0].id
-    reqs = _requests(args)
-    trace = None
-    if args.arrival.startswith("azure"):
-        trace = arrivals.load_trace(args.arrival.split("-")[1], limit=len(reqs))
-        reqs = datasets.match_lengths(
-            reqs,
-            [(t.context_tokens, t.generated_tokens) for t in trace],
-            args.trace_max_context,
-            args.max_tokens,
-        )
+    extra = {"ignore_eos": True} if args.ignore_eos else None
     arms = args.arms.split(",")
-    points = _points(args, len(reqs), trace)
-    slos = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(",") if kv)}
-    run_id = uuid.uuid4().hex[:8]
-    bar = tqdm(total=len(reqs) * len(arms) * len(points), desc="bench serve", unit="req")
-    runs: list[dict[str, Any]] = []
-    all_results: list[RequestResult] = []
-    for label, point in points:
-        for arm in arms:
-
-            def make(i: int, arm: str = arm, label: str = label) -> Any:
-                rid = f"{run_id}-{arm}-{label}-{i}".replace("/", "_").replace("=", "")
-                return send(client, model, reqs[i], arm, rid, args.temperature)
-
-            t0 = time.perf_counter()
-            if isinstance(point, int):
-                results = await closed_loop(make, len(reqs), point, bar.update)
-            else:
-                results = await open_loop(make, point, args.max_concurrency, bar.update)
-            duration = time.perf_counter() - t0
-            all_results += results
-            runs.append(
-                {
-                    "arm": arm,
-                    "point": label,
-                    "summary": summarize(results, duration, slos),
-                    "errors": sorted({r.error for r in results if r.error})[:5],
-                    "t0": t0,
-                    "results": results,
-                }
-            )
-    bar.close()
+    await warm_up(client, model, PLAIN, extra)
+    runs = await measure(client, model, arms, plan, extra, on_done)
     rep: dict[str, Any] = {
         "config": {
             "model": model,
             "base_url": base_url,
-            "num_requests": len(reqs),
+            "num_requests": len(plan.reqs),
             "arms": arms,
             "arrivals": args.arrival
             + (f" {args.concurrency}" if args.arrival == "closed" else f" {args.rate}/s"),
             "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
-            "slos_ms": slos,
+            "slos_ms": plan.slos,
             "command": "specgate bench serve "
             + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"] else sys.argv[1:]),
         },
-        "runs": [{k: v for k, v in r.items() if k not in ("results", "t0")} for r in runs],
-        "categories": by_category(
-            [r for run in runs if run["point"] == runs[0]["point"] for r in run["results"]]
-        ),
         "route_timeline": [
             (round(r.sent_at - run["t0"], 3), (r.route.get("spec") or {}).get("method") or "off")
             for run in runs
@@ -167,13 +166,11 @@ async def _run(args: argparse.Namespace, base_url: str, out: Path, local: bool) 
     if args.hf_baselines and local:
         from specgate.bench.serve.hf_baselines import hf_rows
 
-        rep["hf_baselines"] = hf_rows(args, reqs)
+        rep["hf_baselines"] = hf_rows(args, list(plan.reqs))
     if local:
-        rep["telemetry"] = _telemetry_check(out / "gateway-data" / "telemetry.db", run_id, len(all_results))
-    report.write(rep, out, with_plots=not args.no_plots)
-    sys.stdout.write(report.markdown(rep) + f"\nreport: {out / 'report.md'}\n")
-    failed = sum(r["summary"]["failed"] for r in rep["runs"])
-    return 1 if failed or (rep.get("telemetry") and not rep["telemetry"]["agree"]) else 0
+        sent = sum(len(run["results"]) for run in runs)
+        rep["telemetry"] = _telemetry_check(out / "gateway-data" / "telemetry.db", plan.run_id, sent)
+    return rep, runs
 
 
 def by_category(results: list[RequestResult]) -> dict[str, dict[str, dict[str, Any]]]:

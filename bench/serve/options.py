@@ -31,6 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=1000,tpot=100")
     p.add_argument("--hf-baselines", action="store_true", help="batch-1 Hugging Face generate rows")
     p.add_argument("--hf-draft-model", default=None, help="draft model directory for HF assisted generation")
+    p.add_argument(
+        "--peer",
+        choices=["llama-cpp"],
+        default=None,
+        help="also run llama.cpp's server on the same GGUF as an arm, after specgate's, and compare",
+    )
+    p.add_argument("--peer-n-ctx", type=int, default=4096, help="the peer server's context size")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode exactly max_tokens in every answer (default: on with --peer, off without)",
+    )
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument(

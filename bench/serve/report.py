@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from specgate.bench.serve import comparison
+
 
 def fmt(v: Any, digits: int = 1) -> str:
     if v is None:
@@ -48,6 +50,11 @@ def markdown(report: dict[str, Any]) -> str:
             fmt(sp["acceptance_rate"], 2),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    peer = report.get("peer")
+    if peer and peer.get("error"):
+        lines += ["", f"The {peer['arm']} peer failed: {peer['error']}"]
+    elif peer:
+        lines += ["", *comparison.markdown(peer["table"], peer["arm"])]
     cats = report.get("categories") or {}
     if cats:
         arms = sorted({a for per in cats.values() for a in per})

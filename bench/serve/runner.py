@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
 
 from specgate.bench.serve.datasets import BenchRequest
-from specgate.bench.serve.metrics import RequestResult
+from specgate.bench.serve.metrics import RequestResult, summarize
+from specgate.bench.serve.peer_server import PEER
 
 # An arm is how requests ask to be served: "policy" leaves speculation to the gateway's router;
 # anything else forces it through specgate's `spec` extension ("plain" turns it off).
@@ -18,15 +20,25 @@ POLICY, PLAIN = "policy", "plain"
 
 
 def arm_body(arm: str) -> dict[str, Any] | None:
-    if arm == POLICY:
+    if arm in (POLICY, PEER):  # the peer is not specgate: it knows no `spec`
         return None
     return {"spec": {"method": "off" if arm == PLAIN else arm}}
 
 
 async def send(
-    client: openai.AsyncOpenAI, model: str, req: BenchRequest, arm: str, request_id: str, temperature: float
+    client: openai.AsyncOpenAI,
+    model: str,
+    req: BenchRequest,
+    arm: str,
+    request_id: str,
+    temperature: float,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
+    """One streamed request; `extra` adds body fields (ignore_eos, or the peer's logit_bias)."""
     res = RequestResult(request_id, req.category, arm, sent_at=time.perf_counter())
+    body = {**(arm_body(arm) or {}), **(extra or {})}
+    finish: str | None = None
+    usage = False
     kwargs: dict[str, Any] = {}
     if req.tools:
         kwargs["tools"] = req.tools
@@ -39,8 +51,10 @@ async def send(
             temperature=temperature,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body=arm_body(arm),
-            extra_headers={"x-request-id": request_id},
+            extra_body=body or None,
+            # Only specgate's telemetry needs the id; llama-cpp-python's server refuses (400) any
+            # x-request-id that is not a UUID.
+            extra_headers={} if arm == PEER else {"x-request-id": request_id},
             **kwargs,
         )
         async for chunk in stream:
@@ -49,7 +63,9 @@ async def send(
                 delta = chunk.choices[0].delta
                 if delta.content or delta.tool_calls:
                     res.chunk_times.append(now)
+                finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
+                usage = True
                 res.output_tokens = chunk.usage.completion_tokens
                 res.prompt_tokens = chunk.usage.prompt_tokens
             metrics = (chunk.model_extra or {}).get("metrics")
@@ -57,6 +73,10 @@ async def send(
                 res.spec = metrics.get("spec_decoding") or {}
                 res.route = metrics.get("route") or {}
         res.done_at = time.perf_counter()
+        if not usage:
+            # llama-cpp-python streams no usage; an answer cut at max_tokens ("length") holds exactly
+            # max_tokens tokens, any other is counted by its chunks (one token each there).
+            res.output_tokens = req.max_tokens if finish == "length" else len(res.chunk_times)
         res.ok = True  # an answer with no text (an immediate end of sequence) is still an answer
     except openai.APIError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
@@ -102,3 +122,63 @@ async def open_loop(
         return res
 
     return list(await asyncio.gather(*(one(i, at) for i, at in enumerate(offsets))))
+
+
+@dataclass(slots=True)
+class Plan:
+    """What every arm is measured on: the requests, the load points (an int: closed-loop
+    concurrency; offsets: an open loop's send times) and the sampling settings."""
+
+    reqs: Sequence[BenchRequest]
+    points: Sequence[tuple[str, Sequence[float] | int]]
+    run_id: str
+    temperature: float = 0.0
+    max_concurrency: int | None = None  # open loop cap on requests in flight
+    slos: dict[str, float] = field(default_factory=dict)
+
+
+async def measure(
+    client: openai.AsyncOpenAI,
+    model: str,
+    arms: Sequence[str],
+    plan: Plan,
+    extra: dict[str, Any] | None,
+    on_done: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """Every arm at every load point: one run dict each, with its summary, its per-request
+    `results` and its start time `t0` (both dropped from report.json)."""
+    runs: list[dict[str, Any]] = []
+    for label, point in plan.points:
+        for arm in arms:
+
+            def make(i: int, arm: str = arm, label: str = label) -> Any:
+                rid = f"{plan.run_id}-{arm}-{label}-{i}".replace("/", "_").replace("=", "")
+                return send(client, model, plan.reqs[i], arm, rid, plan.temperature, extra)
+
+            t0 = time.perf_counter()
+            if isinstance(point, int):
+                results = await closed_loop(make, len(plan.reqs), point, on_done)
+            else:
+                results = await open_loop(make, point, plan.max_concurrency, on_done)
+            duration = time.perf_counter() - t0
+            runs.append(
+                {
+                    "arm": arm,
+                    "point": label,
+                    "summary": summarize(results, duration, plan.slos),
+                    "errors": sorted({r.error for r in results if r.error})[:5],
+                    "t0": t0,
+                    "results": results,
+                }
+            )
+    return runs
+
+
+async def warm_up(client: openai.AsyncOpenAI, model: str, arm: str, extra: dict[str, Any] | None) -> None:
+    """One untimed request per server before the clock starts, so that first-call costs (thread
+    pools, lazy allocations) do not land on the first measured request. Its id does not start with
+    the run id: the telemetry cross-check does not count it."""
+    req = BenchRequest("warm-up", [{"role": "user", "content": "Name three colours."}], 16)
+    res = await send(client, model, req, arm, "warm-up", 0.0, extra)
+    if not res.ok:
+        raise RuntimeError(f"the warm-up request failed: {res.error}")
