@@ -44,6 +44,11 @@ class EmbeddedSettings(BaseModel):
     seed: int = 0
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
+    # Run the engine in its own process (an engine core, as vLLM v1 does), so torch never competes
+    # with the event loop for this process's GIL: served latency then matches the engine's own.
+    # False: an engine thread in the gateway process (tests that reach into the engine use it).
+    # None: a process under `specgate serve`, a thread where an app is built in-process (create_app).
+    engine_process: bool | None = None
     # How requests speculate unless the routing policy or the request says otherwise: the engine's
     # own SpecParams (method, controller, k_min, k_max, num_speculative_tokens, acceptance_prior).
     spec: SpecParams = Field(default_factory=lambda: SpecParams(method="ngram"))

@@ -118,6 +118,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
+    if args.engine_thread:
+        embedded["engine_process"] = False
+    elif settings.embedded.engine_process is None:
+        embedded["engine_process"] = True  # serving: the engine in its own process unless configured
     if embedded:
         settings.embedded = settings.embedded.model_copy(update=embedded)
     if args.api_key:
@@ -217,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default=None)
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the embedded engine in a thread of the server, not its own process",
+    )
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     serve.set_defaults(func=cmd_serve)
 

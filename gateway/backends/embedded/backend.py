@@ -13,13 +13,17 @@ from typing import Any
 from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.loader import resolve_model
-from specgate.engine.outputs import RequestOutput, TokenLogprob
+from specgate.engine.outputs import RequestOutput
 from specgate.engine.spec_decode.params import SpecParams
-from specgate.engine.spec_decode.proposers import proposer_factory, proposer_names
+from specgate.engine.spec_decode.proposers import proposer_factory
 from specgate.gateway.backends.base import BackendCall
+from specgate.gateway.backends.embedded.chunks import ChunkWriter, final_body
+from specgate.gateway.backends.embedded.handle import EngineHandle
+from specgate.gateway.backends.embedded.messages import EngineUnavailable
+from specgate.gateway.backends.embedded.model_info import ModelInfo
+from specgate.gateway.backends.embedded.process import EngineProcess
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
-from specgate.gateway.backends.embedded.tools import ToolCallParser
-from specgate.gateway.backends.embedded.worker import EngineUnavailable, EngineWorker
+from specgate.gateway.backends.embedded.worker import EngineWorker
 from specgate.gateway.protocol import openai_format as fmt
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import EmbeddedSettings
@@ -36,9 +40,11 @@ class EmbeddedBackend:
         self._cache_dir = settings.convert_cache_dir or cache_dir
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
         self.served_name = settings.served_model_name or source.name
-        self.worker: EngineWorker | None = None
+        # The engine's owner: a thread here (EngineWorker) or an engine-core process (EngineProcess).
+        self.worker: EngineHandle | None = None
+        self.model: ModelInfo | None = None  # what requests are validated and tokenized against
         self.load_error: str | None = None
-        self.restarts = 0  # engine threads replaced after they ended on their own
+        self.restarts = 0  # engine threads / processes replaced after they ended on their own
         self._loading: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
@@ -49,7 +55,8 @@ class EmbeddedBackend:
 
     @property
     def engine(self) -> Engine | None:
-        return self.worker.engine if self.worker is not None else None
+        """The engine object, in thread mode only (in process mode it lives in another process)."""
+        return self.worker.engine if isinstance(self.worker, EngineWorker) else None
 
     def model_ids(self) -> list[str]:
         return [self.served_name, *self.settings.aliases]
@@ -88,38 +95,53 @@ class EmbeddedBackend:
 
     async def _load(self) -> None:
         try:
-            engine = await asyncio.to_thread(self._build)
-            self.methods = await asyncio.to_thread(_buildable_methods, engine)
+            self.worker = await self._start_worker()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("embedded engine failed to load")
             return
-        # One cache for the backend's life: logprobs name the same tokens request after request.
-        tokenizer = engine.tokenizer
-        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
-        self.worker = self._worker(engine)
         self._watchdog = asyncio.create_task(self._watch())
-        cfg = engine.config
-        logger.info("embedded engine ready: %s (%s on %s)", self.served_name, cfg.dtype, cfg.device)
+        assert self.model is not None
+        cfg, where = self.model.config, "process" if self.settings.engine_process else "thread"
+        logger.info(
+            "embedded engine ready: %s (%s on %s, own %s)", self.served_name, cfg.dtype, cfg.device, where
+        )
 
-    def _worker(self, engine: Engine) -> EngineWorker:
-        worker = EngineWorker(engine, asyncio.get_running_loop(), self._build)
-        worker.start()
+    async def _start_worker(self) -> EngineHandle:
+        """A new engine owner, its engine loaded (first start, and every restart after one ended)."""
+        loop = asyncio.get_running_loop()
+        worker: EngineHandle
+        if self.settings.engine_process:
+            worker = EngineProcess(self._config(), loop)
+            try:
+                info = await worker.start()
+            except BaseException:
+                await worker.close()
+                raise
+        else:
+            engine = await asyncio.to_thread(self._build)
+            info = await asyncio.to_thread(ModelInfo.of, engine)
+            worker = EngineWorker(engine, loop, self._build)
+            worker.start()
+        self.model, self.methods = info, info.methods
+        # One cache per model load: logprobs name the same tokens request after request.
+        tokenizer = info.tokenizer
+        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
         return worker
 
     async def _watch(self, interval: float = 0.5) -> None:
-        """If the engine thread ever ends on its own, fail its waiters (retryable) and start another;
-        a start that fails is retried with backoff."""
+        """If the engine's owner (thread or process) ever ends on its own, fail its waiters
+        (retryable) and start another; a start that fails is retried with backoff."""
         backoff = 1.0
         while not self._closing:
             await asyncio.sleep(interval)
             w = self.worker
             if w is None or w.alive or self._closing:
                 continue
-            logger.error("the embedded engine thread ended; starting a new one")
+            logger.error("the embedded engine's owner ended; starting a new one")
             w.fail_waiters(EngineUnavailable("the embedded engine restarted"))
             try:
-                engine = await asyncio.to_thread(self._build)
+                worker = await self._start_worker()
             except Exception as exc:
                 self.load_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("restarting the embedded engine failed; retrying in %.0f s", backoff)
@@ -129,20 +151,21 @@ class EmbeddedBackend:
             backoff = 1.0
             self.load_error = None
             self.restarts += 1
-            self.worker = self._worker(engine)
+            self.worker = worker
 
     async def close(self) -> None:
         self._closing = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._loading is not None and not self._loading.done():
-            await asyncio.wait([self._loading])
+        # A start in progress is abandoned (an engine-core process being started is stopped).
+        for task in (self._watchdog, self._loading):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])
         if self.worker is not None:
-            await asyncio.to_thread(self.worker.stop)
+            await self.worker.close()
 
     # ---- serving ------------------------------------------------------------------------------
 
-    def _ready_worker(self) -> EngineWorker:
+    def _ready_worker(self) -> EngineHandle:
         w = self.worker
         if w is None or not w.ready:
             if w is not None:
@@ -160,12 +183,13 @@ class EmbeddedBackend:
 
     async def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
         worker = self._ready_worker()
-        engine = worker.engine
+        model = self.model
+        assert model is not None  # set before any worker is
         if prompt_chars(call.request) > TOKENIZE_OFF_LOOP_CHARS:
-            prep = await asyncio.to_thread(prepare, call, engine)  # a long prompt: tokenize off the loop
+            prep = await asyncio.to_thread(prepare, call, model)  # a long prompt: tokenize off the loop
             worker = self._ready_worker()
         else:
-            prep = prepare(call, engine)
+            prep = prepare(call, model)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
@@ -240,34 +264,13 @@ class EmbeddedBackend:
         assert final is not None
         self._observe_final(call, final)
         use = fmt.usage(len(prep.prompt_ids), final.stats.num_output_tokens)
-        body = self._final_body(call, prep, "".join(text), lps, final.finish_reason, use)
+        body = final_body(call, prep, "".join(text), lps, final.finish_reason, use, self._token_text)
         body["metrics"] = fmt.metrics_from_stats(final.stats, call.route)
         return body
 
-    def _final_body(
-        self,
-        call: BackendCall,
-        prep: Prepared,
-        text: str,
-        lps: list[TokenLogprob],
-        finish: str | None,
-        use: dict[str, int],
-    ) -> dict[str, Any]:
-        rid, model, text_of = prep.response_id, call.model, self._token_text
-        if call.kind == "completion":
-            logprobs = None
-            if prep.logprobs is not None:
-                logprobs = fmt.completion_logprobs(lps, text_of, prep.logprobs, len(prep.echo))
-            return fmt.completion_response(rid, call.created, model, prep.echo + text, finish, use, logprobs)
-        message = chat_message(text, prep.tools)
-        if "tool_calls" in message:
-            finish = "tool_calls"
-        logprobs = fmt.chat_logprobs(lps, text_of, prep.logprobs) if prep.logprobs is not None else None
-        return fmt.chat_response(rid, call.created, model, message, finish, use, logprobs)
-
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         prep, q = await self._submit(call)
-        chunks = _ChunkWriter(call, prep, self._token_text)
+        chunks = ChunkWriter(call, prep, self._token_text)
         outputs = self._outputs(call, q)
         try:
             async for out in outputs:
@@ -279,94 +282,3 @@ class EmbeddedBackend:
                         yield chunk
         finally:
             await outputs.aclose()
-
-
-def chat_message(text: str, parse_tools: bool) -> dict[str, Any]:
-    """The assistant message for a whole output, tool calls parsed out when the request had tools."""
-    if not parse_tools:
-        return {"role": "assistant", "content": text}
-    parser = ToolCallParser()
-    content = parser.feed(text)
-    rest, calls = parser.finish()
-    content += rest
-    if not calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}
-
-
-class _ChunkWriter:
-    """Turns engine outputs into OpenAI stream chunks (role first, tool calls parsed on the fly)."""
-
-    def __init__(self, call: BackendCall, prep: Prepared, text_of: Any) -> None:
-        self.call, self.prep, self.text_of = call, prep, text_of
-        self.parser = ToolCallParser() if prep.tools else None
-        self.started = False
-        self.offset = len(prep.echo)
-
-    def _chunk(
-        self,
-        text: str,
-        finish: str | None = None,
-        lps: list[TokenLogprob] | None = None,
-        delta: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        c, p = self.call, self.prep
-        if c.kind == "completion":
-            logprobs = None
-            if p.logprobs is not None and lps is not None:
-                logprobs = fmt.completion_logprobs(lps, self.text_of, p.logprobs, self.offset)
-            self.offset += len(text)
-            return fmt.completion_chunk(p.response_id, c.created, c.model, text, finish, logprobs)
-        logprobs = (
-            fmt.chat_logprobs(lps, self.text_of, p.logprobs) if p.logprobs is not None and lps else None
-        )
-        d = delta if delta is not None else ({"content": text} if text else {})
-        return fmt.chat_chunk(p.response_id, c.created, c.model, d, finish, logprobs)
-
-    def write(self, out: RequestOutput) -> list[dict[str, Any]]:
-        chunks = []
-        if not self.started:
-            self.started = True
-            if self.call.kind == "chat":
-                chunks.append(self._chunk("", delta={"role": "assistant", "content": ""}))
-            elif self.prep.echo:
-                chunks.append(self._chunk(self.prep.echo))
-        text = self.parser.feed(out.new_text) if self.parser is not None else out.new_text
-        if text or (out.logprobs and self.prep.logprobs is not None):
-            chunks.append(self._chunk(text, lps=out.logprobs))
-        return chunks
-
-    def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
-        chunks, finish = [], out.finish_reason
-        if self.parser is not None:
-            rest, calls = self.parser.finish()
-            if rest:
-                chunks.append(self._chunk(rest))
-            if calls:
-                finish = "tool_calls"
-                deltas = [{**tc, "index": i} for i, tc in enumerate(calls)]
-                chunks.append(self._chunk("", delta={"tool_calls": deltas}))
-        last = self._chunk("", finish)
-        last["metrics"] = fmt.metrics_from_stats(out.stats, self.call.route)
-        use = fmt.usage(len(self.prep.prompt_ids), out.stats.num_output_tokens)
-        if self.call.request.include_usage:
-            last["usage"] = None
-            obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
-            tail = fmt.usage_chunk(self.prep.response_id, self.call.created, self.call.model, obj, use)
-            tail["metrics"] = last["metrics"]
-            return [*chunks, last, tail]
-        return [*chunks, last]
-
-
-def _buildable_methods(engine: Engine) -> list[str]:
-    """Registered proposers that build for this engine; the others (no draft model configured, no
-    EAGLE head for this model) are left out of routing with the reason logged."""
-    out = []
-    for name in proposer_names():
-        try:
-            engine.proposer(name)
-        except (ValueError, FileNotFoundError) as exc:
-            logger.info("speculation method %s unavailable: %s", name, exc)
-        else:
-            out.append(name)
-    return out

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import normalize_messages, render_chat
+from specgate.gateway.backends.embedded.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -45,20 +45,20 @@ def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> Ga
     return GatewayError(400, message, code=code, param=param)
 
 
-def prepare(call: BackendCall, engine: Engine) -> Prepared:
+def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
     if (req.n or 1) > 1:
         raise _refuse("n > 1 is not supported by the embedded engine; send n separate requests", "n")
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids, tools = _chat_prompt(req, engine)
+        prompt_ids, tools = _chat_prompt(req, model)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
     else:
         assert isinstance(req, CompletionRequest)
-        prompt_ids, echo = _completion_prompt(req, engine)
+        prompt_ids, echo = _completion_prompt(req, model)
         tools, logprobs = False, req.logprobs
         rid, param = f"cmpl-{call.request_id}", "prompt"
-    vocab = engine.runner.vocab_size
+    vocab = model.vocab_size
     if any(t >= vocab for t in req.stop_token_ids or ()):
         raise GatewayError(
             400,
@@ -66,13 +66,13 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
             code="invalid_value",
             param="stop_token_ids",
         )
-    room = engine.max_model_len - len(prompt_ids)
+    room = model.max_model_len - len(prompt_ids)
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
         asked = f" + {limit} completion" if limit is not None else ""
         raise GatewayError(
             400,
-            f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
+            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
             f"{len(prompt_ids)} prompt{asked} tokens. Please reduce the length of the {param} or completion.",
             code="context_length_exceeded",
             param=param,
@@ -100,11 +100,11 @@ def prepare(call: BackendCall, engine: Engine) -> Prepared:
     return Prepared(prompt_ids, params, rid, logprobs, tools, echo)
 
 
-def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> tuple[list[int], bool]:
+def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise _refuse(f"response_format {fmt!r} is not supported by the embedded engine", "response_format")
-    tok = engine.tokenizer
+    tok = model.tokenizer
     try:
         messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)
         ids = render_chat(tok, messages, tools)
@@ -115,7 +115,7 @@ def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> tuple[list[int],
     return ids, bool(req.tools) and req.tool_choice != "none"
 
 
-def _completion_prompt(req: CompletionRequest, engine: Engine) -> tuple[list[int], str]:
+def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> tuple[list[int], str]:
     if req.suffix:
         raise _refuse("suffix is not supported by the embedded engine", "suffix")
     if (req.best_of or 1) > 1:
@@ -130,14 +130,14 @@ def _completion_prompt(req: CompletionRequest, engine: Engine) -> tuple[list[int
     if isinstance(prompt, str):
         if not prompt:
             raise GatewayError(400, "prompt must not be empty", code="invalid_value", param="prompt")
-        ids = list(engine.tokenizer.encode(prompt))
+        ids = list(model.tokenizer.encode(prompt))
         text = prompt
     else:
         ids = [int(t) for t in prompt]
-        vocab = engine.runner.vocab_size
+        vocab = model.vocab_size
         if not ids or min(ids) < 0 or max(ids) >= vocab:
             raise GatewayError(
                 400, f"prompt token ids must be in [0, {vocab})", code="invalid_value", param="prompt"
             )
-        text = engine.tokenizer.decode(ids) if req.echo else ""
+        text = model.tokenizer.decode(ids) if req.echo else ""
     return ids, text if req.echo else ""

@@ -7,7 +7,7 @@ import json
 from specgate.engine.outputs import RequestOutput, RequestStats
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
-from specgate.gateway.backends.embedded.backend import _ChunkWriter
+from specgate.gateway.backends.embedded.chunks import ChunkWriter
 from specgate.gateway.backends.embedded.prompt import Prepared
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 
@@ -42,7 +42,7 @@ def _outputs() -> list[RequestOutput]:
 
 def test_stream_emits_content_then_tool_call_deltas() -> None:
     call, prep = _call(stream=True)
-    writer = _ChunkWriter(call, prep, str)
+    writer = ChunkWriter(call, prep, str)
     chunks = []
     for out in _outputs():
         chunks += writer.write(out)
@@ -61,7 +61,7 @@ def test_stream_emits_content_then_tool_call_deltas() -> None:
 
 
 def test_whole_message_has_tool_calls_and_remaining_content() -> None:
-    from specgate.gateway.backends.embedded.backend import chat_message
+    from specgate.gateway.backends.embedded.chunks import chat_message
 
     msg = chat_message("".join(PIECES), parse_tools=True)
     assert msg["content"] == "Let me check. " and msg["tool_calls"][0]["function"]["name"] == "get_weather"

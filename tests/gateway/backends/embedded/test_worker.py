@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
+from specgate.gateway.backends.embedded.worker import EngineWorker
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +31,7 @@ def _chat(live: LiveGateway, model: str) -> httpx.Response:
 
 def _embedded(live: LiveGateway) -> EmbeddedBackend:
     backend = live.services.registry.embedded
-    assert backend is not None and backend.worker is not None
+    assert backend is not None and isinstance(backend.worker, EngineWorker)  # thread mode: faults injected
     return backend
 
 
@@ -38,20 +39,20 @@ def test_a_broken_engine_is_rebuilt_and_readyz_says_so(live: LiveGateway, tiny_l
     model = tiny_llama_dir.name
     backend = _embedded(live)
     worker = backend.worker
-    assert worker is not None
+    assert isinstance(worker, EngineWorker)
 
     def broken(*_: object) -> None:
         raise RuntimeError("device lost")
 
     worker.engine.runner.execute_with_hidden = broken  # type: ignore[method-assign]
-    build = worker._factory
+    build = worker.supervisor.factory
     assert build is not None
 
     def slow_build():  # type: ignore[no-untyped-def]
         time.sleep(1.5)  # long enough to see the rebuild from outside
         return build()
 
-    worker._factory = slow_build
+    worker.supervisor.factory = slow_build
     failures = [_chat(live, model) for _ in range(3)]  # each step fails: the engine is judged broken
     assert all(r.status_code in (500, 503) for r in failures)
     assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in failures)
@@ -71,12 +72,12 @@ def test_a_dead_engine_thread_is_replaced(live: LiveGateway, tiny_llama_dir: Pat
     model = tiny_llama_dir.name
     backend = _embedded(live)
     old = backend.worker
-    assert old is not None
+    assert isinstance(old, EngineWorker)
 
     def die(*_: object) -> None:
         raise SystemExit("the thread ends")  # not an Exception: the loop's own guard lets it through
 
-    old._step = die  # type: ignore[method-assign]
+    old.supervisor._step = die  # type: ignore[method-assign]
     first = _chat(live, model)
     assert first.status_code == 503 and first.json()["error"]["code"] in (
         "engine_restarting",

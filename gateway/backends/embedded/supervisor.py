@@ -1,0 +1,209 @@
+"""The supervised step loop that owns an engine, the same in the engine thread and the engine-core
+process: drain commands, step, publish one `Batch` per step.
+
+A request the engine refuses, or one that fails inside a step, fails alone (the engine isolates
+it). A step that raises fails the requests in flight; when steps keep failing (`max_step_failures`
+in a row, counting failed forward passes), the engine is judged broken and rebuilt from its factory
+while new requests get 503 with Retry-After, and `state` says "rebuilding" (so /readyz does). A
+rebuild that fails is retried with backoff. The loop never dies of an exception; whoever runs it
+notices if it ends anyway (a dead thread, a dead process) and replaces it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch
+
+from specgate.engine.engine import Engine
+from specgate.engine.errors import RequestError
+from specgate.gateway.backends.embedded.messages import (
+    READY,
+    REBUILDING,
+    Batch,
+    Command,
+    EngineUnavailable,
+    Item,
+    Load,
+)
+
+logger = logging.getLogger("specgate.engine_worker")
+IDLE_WAIT = 0.5  # seconds an idle loop waits for a command before it looks at `stopping` again
+
+
+class Inbox(Protocol):
+    def get(self, timeout: float | None) -> Command | None:
+        """The next command, waiting up to `timeout` seconds (None: not at all); None if none came."""
+
+
+class EngineSupervisor:
+    def __init__(
+        self,
+        engine: Engine,
+        factory: Callable[[], Engine] | None,
+        inbox: Inbox,
+        publish: Callable[[Batch], None],
+        *,
+        max_step_failures: int = 3,
+        rebuild_backoff: float = 1.0,
+    ) -> None:
+        self.engine = engine
+        self.factory = factory
+        self.load = Load()
+        self.state = READY
+        self.last_error: str | None = None
+        self.rebuilds = 0
+        self.stopping = threading.Event()
+        self._inbox = inbox
+        self._publish = publish
+        self._max_step_failures = max_step_failures
+        self._rebuild_backoff = rebuild_backoff
+        self._step_failures = 0
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            deliveries: list[tuple[str, Item]] = []
+            taken, stepped = 0, False
+            try:
+                taken = self._drain(not self.engine.has_unfinished(), deliveries)
+                if self.stopping.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    stepped = True
+                    self._step(deliveries)
+            except Exception as exc:  # a bug outside the engine's own isolation: fail what is in flight
+                logger.exception("engine step failed; failing the requests in flight")
+                deliveries.extend(self._fail_all(exc))
+                self._step_failures += 1
+            if deliveries or taken or stepped:  # before any rebuild: these requests must not wait for it
+                self._send(deliveries, taken)
+            broken = max(self._step_failures, self.engine.consecutive_forward_failures)
+            if broken >= self._max_step_failures:
+                self._rebuild()
+        if self.engine is not None:  # None when stopped in the middle of a rebuild
+            for request_id in self.engine.request_ids():
+                self.engine.abort(request_id)
+
+    def _send(self, deliveries: list[tuple[str, Item]], taken: int) -> None:
+        self._publish(Batch(deliveries, taken, self.load, self.state, self.rebuilds, self.last_error))
+
+    def _step(self, deliveries: list[tuple[str, Item]]) -> None:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        self._step_failures = 0
+        for out in outputs:
+            deliveries.append((out.request_id, out))
+        self._refresh_load(sum(len(o.new_token_ids) for o in outputs), dt)
+
+    def _refresh_load(self, batch_tokens: int, step_time: float) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            self.load = Load()
+            return
+        self.load = Load(
+            stats.num_waiting,
+            stats.num_running,
+            stats.kv_usage,
+            batch_tokens,
+            step_time,
+            self.load.steps + 1,
+            stats.kv_blocks_used,
+        )
+
+    def _drain(self, block: bool, deliveries: list[tuple[str, Item]]) -> int:
+        taken = 0
+        cmd = self._inbox.get(IDLE_WAIT if block else None)
+        while cmd is not None:
+            kind, arg = cmd
+            if kind == "add":
+                taken += 1
+                self._admit(arg, deliveries)
+            elif kind == "abort":
+                self.engine.abort(arg)
+            elif kind == "stop":
+                self.stopping.set()
+                break
+            cmd = self._inbox.get(None)
+        return taken
+
+    def _admit(self, arg: Any, deliveries: list[tuple[str, Item]]) -> None:
+        rid, prompt_ids, params, spec, scope = arg
+        try:
+            self.engine.add_request(rid, prompt_ids, params, spec, scope)
+        except RequestError as exc:
+            deliveries.append((rid, exc))
+        except Exception as exc:  # a bug while admitting one request: that request fails
+            logger.exception("the engine failed to admit request %s", rid)
+            deliveries.append((rid, RuntimeError(f"the engine failed to admit it ({type(exc).__name__})")))
+
+    def _fail_all(self, exc: BaseException) -> list[tuple[str, Item]]:
+        failed = self.engine.request_ids()
+        try:
+            for request_id in failed:
+                self.engine.abort(request_id)
+            self.engine.step()  # collects the aborts so their blocks are freed
+        except Exception:
+            logger.exception("engine cleanup after a failed step also failed")
+            self._step_failures = self._max_step_failures  # its state is suspect: rebuild it
+        error = RuntimeError(f"engine step failed: {type(exc).__name__}")
+        self._refresh_load(0, 0.0)
+        return [(rid, error) for rid in failed]
+
+    def _rebuild(self) -> None:
+        """Replace a broken engine; the requests it held fail with a retryable error."""
+        unavailable = EngineUnavailable("the embedded engine failed and is being rebuilt")
+        try:
+            held = self.engine.request_ids()
+        except Exception:
+            held = []
+        if self.factory is None:
+            logger.error("the embedded engine is broken and has no factory to rebuild it from")
+            self._step_failures = self.engine.consecutive_forward_failures = 0
+            return
+        self.state = REBUILDING
+        self.load = Load()
+        self._send([(rid, unavailable) for rid in held], 0)
+        # Let the broken engine (weights, KV pool) go before the new one is built beside it.
+        self.engine = cast(Engine, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        wait = self._rebuild_backoff
+        while not self.stopping.is_set():
+            logger.error("the embedded engine is broken; rebuilding it")
+            try:
+                engine = self.factory()
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("rebuilding the embedded engine failed; retrying in %.0f s", wait)
+                self._send([], 0)
+                self._refuse_commands(unavailable, wait)
+                wait = min(60.0, wait * 2)
+                continue
+            self.engine = engine
+            self.rebuilds += 1
+            self._step_failures = 0
+            self.state = READY
+            self._send([], 0)
+            logger.warning("the embedded engine was rebuilt (%d so far)", self.rebuilds)
+            break
+
+    def _refuse_commands(self, error: BaseException, wait: float) -> None:
+        """While rebuilding: requests that arrive are answered with `error` (they may retry)."""
+        deadline = time.monotonic() + wait
+        while not self.stopping.is_set() and (left := deadline - time.monotonic()) > 0:
+            cmd = self._inbox.get(left)
+            if cmd is None:
+                break
+            kind, arg = cmd
+            if kind == "add":
+                self._send([(arg[0], error)], 1)
+            elif kind == "stop":
+                self.stopping.set()
