@@ -4,7 +4,9 @@
 
 Every system decodes greedily and exactly --max-tokens tokens per prompt (EOS ignored), so the
 token counts are identical and the tokens/s ratios compare like with like. Prefill time counts.
-Rows: this engine at 1 (sequential), 4 and 16 concurrent requests; HF generate sequential (batch 1);
+Rows: this engine (default quantization: the GGUF's own precision) at 1 (sequential), 4 and 16
+concurrent requests, and at batch 1 with each --compare mode (default: none = dense bf16); HF
+generate sequential (batch 1);
 llama.cpp sequential when llama-cpp-python is installed (`pip install llama-cpp-python`).
 """
 
@@ -94,6 +96,11 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=400)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument(
+        "--compare",
+        default="none",
+        help="extra batch-1 engine rows at these quantization modes (comma-separated)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
@@ -124,10 +131,25 @@ def main() -> None:
     n, t = run_hf(hf_model, seq_ids, args.max_tokens)
     rows.append(("HF generate, batch 1 (sequential)", n, t))
     n, t = run_engine(engine, seq_ids, 1, args.max_tokens)
-    rows.append(("specgate engine, batch 1 (sequential)", n, t))
+    mode = engine.config.quantization
+    rows.append((f"specgate engine ({mode}), batch 1 (sequential)", n, t))
     for c in (4, 16):
         n, t = run_engine(engine, ids, c, args.max_tokens)
-        rows.append((f"specgate engine, {c} concurrent", n, t))
+        rows.append((f"specgate engine ({mode}), {c} concurrent", n, t))
+    del engine
+    for other in filter(None, args.compare.split(",")):
+        alt = Engine(
+            EngineConfig(
+                dtype=args.dtype,
+                quantization=other,
+                convert_cache_dir=default_cache_dir(),
+                num_threads=args.threads,
+            )
+        )
+        run_engine(alt, [ids[0][:32]], 1, 8)  # warm-up
+        n, t = run_engine(alt, seq_ids, 1, args.max_tokens)
+        rows.append((f"specgate engine ({other}), batch 1 (sequential)", n, t))
+        del alt
     lc = run_llama_cpp(source.directory / (source.gguf_file or ""), seq_ids, args.max_tokens, args.threads)
     if lc is not None:
         rows.append(("llama.cpp (Q4_1 GGUF), batch 1 (sequential)", *lc))

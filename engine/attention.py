@@ -1,9 +1,10 @@
-"""Paged attention over a ragged batch, plugged into transformers' attention interface.
+"""Paged attention over a ragged batch, for the compact models and transformers' attention interface.
 
-The Hugging Face model classes run unchanged; we register an attention function that, for each
-layer, writes the step's new keys/values into the paged pool and attends over each sequence's
-cached context. Per-step metadata (slots, masks) is built once by the model runner and reaches
-every layer through the model's forward kwargs.
+`paged_attention` writes a layer's new keys/values into the paged pool and attends over each
+sequence's cached context. The compact models (engine/models/) call it directly; for any other
+architecture the Hugging Face model classes run unchanged, with it registered as their attention
+function. Per-step metadata (slots, masks) is built once by the model runner and reaches every layer
+(through the model's forward kwargs on the Hugging Face path).
 
 Sequences with few new tokens share batched SDPA calls: one for plain decodes (one query each),
 one for speculative verifications (k+1 queries, padded to the longest inside attention only, so
@@ -62,27 +63,23 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
-    key: torch.Tensor,  # [1, kv_heads, num_tokens, head_dim]
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    meta = kwargs.get("specgate_meta")
-    if not isinstance(meta, AttentionMetadata):
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs specgate_meta from the engine's model runner")
-    layer = int(getattr(module, "layer_idx", 0))
+def paged_attention(
+    meta: AttentionMetadata,
+    layer: int,
+    query: torch.Tensor,  # [heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,  # [kv_heads, num_tokens, head_dim]
+    scale: float,
+) -> torch.Tensor:
+    """Store the step's keys/values in the pool and attend; returns [num_tokens, heads, head_dim]."""
     cache = meta.kv_cache
-    cache.write(layer, meta.slot_mapping, key[0], value[0])
-    heads, num_tokens, head_dim = query.shape[1:]
-    scale = scaling if scaling is not None else head_dim**-0.5
+    cache.write(layer, meta.slot_mapping, key, value)
+    heads, num_tokens, head_dim = query.shape
     # On CPU, fp32 SDPA is several times faster than bf16; on GPU this is the model dtype.
-    q = query[0].to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
-    out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
+    q = query.to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
+    # A step that is one batched group (plain decoding) returns that group's output as it is.
+    whole = len(meta.groups) == 1 and meta.groups[0].num_tokens == num_tokens
+    out = query if whole else torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     for g in meta.groups:
         k, v = cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, b * S, head_dim]
         s = g.kv_slots.shape[1]
@@ -96,12 +93,34 @@ def paged_attention_forward(
         o = o.permute(0, 2, 1, 3).reshape(g.b * g.t, heads, head_dim)
         if g.out_index is not None:
             o = o.index_select(0, g.out_index)  # [num_tokens, heads, head_dim]
+        if whole:
+            return o.to(query.dtype)
         out[g.start : g.start + g.num_tokens] = o
     for chunk in meta.long_chunks:
         k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
         qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]
         o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over `paged_attention` (the Hugging Face module path)."""
+    meta = kwargs.get("specgate_meta")
+    if not isinstance(meta, AttentionMetadata):
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs specgate_meta from the engine's model runner")
+    layer = int(getattr(module, "layer_idx", 0))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(meta, layer, query[0], key[0], value[0], scale)
     return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]
 
 

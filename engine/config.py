@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,6 +37,12 @@ class EngineConfig:
     proposer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Prepack linear weights for oneDNN on CPU; None: on for bfloat16 / float16 serving on CPU.
     pack_linears: bool | None = None
+    # How linear weights are stored (CPU): none, int8, int4, or auto = each tensor at the precision
+    # its GGUF source had (dense for other checkpoints). See engine/models/plan.py.
+    quantization: str = "auto"
+    # auto: the compact decoder for the Llama family (llama, qwen2, mistral), the Hugging Face
+    # modules for anything else; compact or hf to force one.
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -59,6 +66,18 @@ class EngineConfig:
             self.pack_linears = self.device == "cpu" and self.dtype != "float32"
         if self.pack_linears and self.device != "cpu":
             raise ValueError("pack_linears is a CPU optimisation")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}"
+            )
+        if self.quantization in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(
+                "int8 / int4 weights use torch's CPU kernels; on a GPU use quantization none or auto"
+            )
+        if self.quantization in ("int8", "int4") and self.dtype == "float16":
+            raise ValueError("int8 / int4 weights run with float32 or bfloat16 activations")
+        if self.model_impl not in ("auto", "compact", "hf"):
+            raise ValueError(f"model_impl must be auto, compact or hf; got {self.model_impl!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

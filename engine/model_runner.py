@@ -10,9 +10,9 @@ import torch
 
 from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk
 from specgate.engine.config import EngineConfig
-from specgate.engine.cpu_linear import pack_linears, packing_supported
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
+from specgate.engine.models.build import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,10 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.source = resolve_model(config.model, config.gguf_file)
-        self.model, self.tokenizer = load_model(
+        hf_model, self.tokenizer = load_model(
             self.source, config.torch_dtype, config.device, config.convert_cache_dir
         )
-        if config.pack_linears:
-            if packing_supported(config.torch_dtype):
-                pack_linears(self.model)
-            else:
-                logger.warning(
-                    "oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype
-                )
-        text_config = self.model.config.get_text_config()
+        text_config = hf_model.config.get_text_config()
         num_layers = text_config.num_hidden_layers
         heads = text_config.num_attention_heads
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
@@ -71,20 +64,23 @@ class ModelRunner:
             # Within the window, sliding attention equals full attention; beyond it we would be wrong.
             limits.append(int(window))
         self.max_model_len = min(limits)
+        self.model, self.compact = build_model(hf_model, config, self.source, self.max_model_len)
+        del hf_model
         self.hidden_size = int(text_config.hidden_size)
         # The final norm's output is the feature a feature-level drafter (EAGLE) reads; a hook keeps a
         # reference to it on the forward passes that ask (no copy, no cost otherwise).
         self._capture = False
         self._captured: torch.Tensor | None = None
-        final_norm = getattr(self.model.get_decoder(), "norm", None)
-        self.has_features = isinstance(final_norm, torch.nn.Module)
+        final_norm = None if self.compact else getattr(self.model.get_decoder(), "norm", None)
+        self.has_features = self.compact or isinstance(final_norm, torch.nn.Module)
         if final_norm is not None:
             final_norm.register_forward_hook(self._keep_hidden)
         logger.info(
-            "loaded %s (%s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
+            "loaded %s (%s, %s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
             self.source.name,
             config.dtype,
             config.device,
+            "compact decoder" if self.compact else "Hugging Face modules",
             num_blocks,
             block_size,
             self.kv_cache.nbytes / 2**20,
@@ -191,8 +187,8 @@ class ModelRunner:
             )
             logit_rows[i] = range(start_tok + n - it.num_logits, start_tok + n)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, num_tokens]
-        positions = torch.cat(pos_parts).unsqueeze(0).to(self.device)  # [1, num_tokens]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
+        positions = torch.cat(pos_parts).to(self.device)  # [num_tokens]
         logit_index = torch.tensor(
             [r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device
         )
@@ -212,21 +208,38 @@ class ModelRunner:
         if hidden and not self.has_features:
             raise ValueError(f"{self.source.name}: no final norm found to read hidden states from")
         input_ids, positions, logit_index, meta, token_rows = self._prepare(items)
+        if self.compact:
+            logits, packed = self.model(input_ids, positions, meta, logit_index, hidden)
+        else:
+            logits, packed = self._forward_hf(input_ids, positions, meta, logit_index, hidden)
+        features = None
+        if hidden:
+            assert packed is not None
+            features = [packed[r.start : r.stop] for r in token_rows]
+        return logits, features  # [num_logits, vocab]
+
+    def _forward_hf(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        logit_index: torch.Tensor,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._capture, self._captured = hidden, None
         try:
             out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
                 use_cache=False,
                 logits_to_keep=logit_index,
                 specgate_meta=meta,
             )
         finally:
             self._capture = False
-        features = None
+        packed = None
         if hidden:
             assert self._captured is not None, "the final norm did not run"
             packed = self._captured[0]  # [num_tokens, hidden]
-            features = [packed[r.start : r.stop] for r in token_rows]
             self._captured = None
-        return out.logits[0], features  # [num_logits, vocab]
+        return out.logits[0], packed

@@ -33,6 +33,11 @@ class EmbeddedSettings(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
+    # Linear weights on CPU: auto = each tensor at its GGUF source's precision (4-bit -> int4 kernels;
+    # the default model's Q4_1 layers are reproduced exactly), none / int8 / int4 (engine/models/plan.py).
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # auto: the compact decoder for Llama / Qwen2 / Mistral, the Hugging Face modules otherwise.
+    model_impl: Literal["auto", "compact", "hf"] = "auto"
     threads: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)

@@ -30,6 +30,16 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def _add_weight_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--quantization",
+        default=default,
+        choices=["auto", "none", "int8", "int4"],
+        help="CPU linear weights: auto = the GGUF source's own precision (4-bit layers as int4)",
+    )
+    p.add_argument("--model-impl", default=default, choices=["auto", "compact", "hf"])
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)"
@@ -37,6 +47,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_weight_args(p, "auto")
 
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig, imported lazily (torch is slow to import)
@@ -47,6 +58,8 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig, imported lazil
         dtype=args.dtype,
         device=args.device,
         num_threads=args.threads,
+        quantization=args.quantization,
+        model_impl=args.model_impl,
         convert_cache_dir=default_cache_dir(),
     )
 
@@ -115,6 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "device": args.device,
             "threads": args.threads,
+            "quantization": args.quantization,
+            "model_impl": args.model_impl,
         }.items()
         if v is not None
     }
@@ -221,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default=None)
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_weight_args(serve, None)
     serve.add_argument(
         "--engine-thread",
         action="store_true",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import LlamaForCausalLM
 
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
@@ -83,6 +84,40 @@ def test_greedy_speculation_is_token_identical_in_mixed_batches(
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle"])
+def test_greedy_speculation_is_token_identical_on_quantized_weights(
+    method: str,
+    quantization: str,
+    make_engine: Callable[..., Engine],
+    tiny_draft_dir: Path,
+    tiny_eagle_dir: Path,
+) -> None:
+    # Plain and speculative decoding on the same quantized weights (fp32 activations): verifying
+    # k + 1 rows through the int8 / int4 kernels must pick what k + 1 single-row steps pick.
+    options = {
+        "draft_model": {"draft_model": {"model": str(tiny_draft_dir)}},
+        "eagle": {"eagle": {"head": str(tiny_eagle_dir)}},
+    }.get(method, {})
+    engine = make_engine(
+        num_blocks=1024, max_num_batched_tokens=48, proposer_options=options, quantization=quantization
+    )
+    engine.cost_model = FixedCosts()
+    spec = SpecParams(method=method, controller="static", num_speculative_tokens=3)
+    ps = repetitive_prompts()
+    for i, p in enumerate(ps):
+        engine.add_request(f"plain{i}", p, SamplingParams(max_tokens=40, **GREEDY))
+        engine.add_request(f"spec{i}", p, SamplingParams(max_tokens=40, **GREEDY), spec)
+    outs = run_to_completion(engine)
+    drafted = 0
+    for i in range(len(ps)):
+        assert tokens(outs[f"spec{i}"]) == tokens(outs[f"plain{i}"]), f"spec{i} diverged"
+        stats = outs[f"spec{i}"][-1].stats.spec
+        assert stats is not None
+        drafted += stats.num_draft_tokens
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_dynamic_k_speculates_deep_once_output_repeats(
     method: str, make_engine: Callable[..., Engine], tiny_fixed_point_dir: Path
@@ -141,8 +176,9 @@ def test_sampled_speculation_matches_the_target_distribution(
 
     from specgate.engine.sampler import SamplingRow, process_logits
 
-    model = engine.runner.model
-    ref_model = type(model).from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ref_model = LlamaForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     sp = SamplingParams(**params)
     with torch.no_grad():
         first = ref_model(torch.tensor([prompt])).logits[0, -1:]

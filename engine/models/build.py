@@ -1,0 +1,51 @@
+"""Choose how the loaded model runs: the compact decoder (Llama family) or the Hugging Face modules."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from specgate.engine.config import EngineConfig
+from specgate.engine.cpu_linear import pack_linears, packing_supported
+from specgate.engine.loader import ModelSource
+from specgate.engine.models.llama import CompactCausalLM, compact_supported
+from specgate.engine.models.plan import gguf_tensor_types, mode_plan
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_len: int) -> tuple[Any, bool]:
+    """(the model to run, whether it is the compact decoder). `hf_model` is consumed."""
+    supported = compact_supported(hf_model.config)
+    compact = config.model_impl == "compact" or (config.model_impl == "auto" and supported)
+    if compact and not supported:
+        raise ValueError(
+            f"model_impl compact runs the Llama family (llama, qwen2, mistral); "
+            f"{source.name} is {hf_model.config.get_text_config().model_type!r}"
+        )
+    pack = bool(config.pack_linears) and packing_supported(config.torch_dtype)
+    if config.pack_linears and not pack:
+        logger.warning("oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype)
+    if not compact:
+        if config.quantization in ("int8", "int4"):
+            raise ValueError(f"quantization {config.quantization} needs the compact decoder (Llama family)")
+        if pack:
+            pack_linears(hf_model)
+        return hf_model, False
+    types = None
+    if config.quantization == "auto" and source.gguf_file is not None and config.device == "cpu":
+        types = gguf_tensor_types(source.directory / source.gguf_file)
+    plan = mode_plan(config.quantization if config.device == "cpu" else "none", types)
+    model = CompactCausalLM(hf_model, plan, config.torch_dtype, pack, max_len)
+    modes: dict[str, int] = {}
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith("Linear"):
+            modes[kind] = modes.get(kind, 0) + 1
+    logger.info("compact decoder, linear layers: %s", ", ".join(f"{n} {k}" for k, n in sorted(modes.items())))
+    del hf_model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model, True

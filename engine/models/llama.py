@@ -1,0 +1,172 @@
+"""A compact decoder for the Llama family (Llama, Qwen2, Mistral), built from the loaded HF weights.
+
+The Hugging Face module tree spends most of a CPU decode step on Python dispatch: hooks, generic
+attention plumbing, per-layer rotary recomputation, cache bookkeeping. This model does the same math
+in few ops: one fused qkv and one fused gate/up projection per layer (dense, int8 or int4), rotary
+tables computed once, one rotary application to queries and keys together, and attention straight
+into the paged pool. Positions are per token and attention masks come from the metadata, so decode,
+verification, chunked prefill and token trees run on it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgate.engine.attention import AttentionMetadata, paged_attention
+from specgate.engine.models.linear import make_linear
+
+# model_type values whose HF layers are the plain Llama block (Qwen2 adds a qkv bias, read as it is).
+COMPACT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+# Precision order of the linear modes: fused siblings take the most precise of their members'.
+_PRECISION = {"none": 2, "int8": 1, "int4": 0}
+
+ModePlan = Callable[[str], str]  # HF parameter name -> linear mode (none, int8, int4)
+
+
+def compact_supported(config: Any) -> bool:
+    c = config.get_text_config()
+    return (
+        getattr(c, "model_type", None) in COMPACT_MODEL_TYPES
+        and getattr(c, "hidden_act", "silu") == "silu"
+        and (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default") != "dynamic"
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (torch's one op; transformers' five differ from it by bf16 rounding at most)."""
+    return torch.rms_norm(x, weight.shape, weight, eps)
+
+
+def _fuse(
+    parent: Any, prefix: str, names: tuple[str, ...], plan: ModePlan, dtype: torch.dtype, pack: bool
+) -> nn.Module:
+    linears = [getattr(parent, n) for n in names]
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum of out, in]
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                for b, lin in zip(biases, linears, strict=True)
+            ]
+        )
+    mode = max((plan(f"{prefix}.{n}.weight") for n in names), key=_PRECISION.__getitem__)
+    return make_linear(weight, bias, mode, dtype, pack)
+
+
+class CompactLayer(nn.Module):
+    def __init__(self, hf_layer: Any, prefix: str, plan: ModePlan, dtype: torch.dtype, pack: bool) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.qkv = _fuse(attn, f"{prefix}.self_attn", ("q_proj", "k_proj", "v_proj"), plan, dtype, pack)
+        self.o = _fuse(attn, f"{prefix}.self_attn", ("o_proj",), plan, dtype, pack)
+        self.gate_up = _fuse(mlp, f"{prefix}.mlp", ("gate_proj", "up_proj"), plan, dtype, pack)
+        self.down = _fuse(mlp, f"{prefix}.mlp", ("down_proj",), plan, dtype, pack)
+        self.input_norm = nn.Parameter(
+            hf_layer.input_layernorm.weight.detach().to(dtype), requires_grad=False
+        )
+        self.post_norm = nn.Parameter(
+            hf_layer.post_attention_layernorm.weight.detach().to(dtype), requires_grad=False
+        )
+        self.intermediate = mlp.gate_proj.out_features
+
+
+class CompactCausalLM(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, hf_model: Any, plan: ModePlan, dtype: torch.dtype, pack: bool, max_len: int) -> None:
+        super().__init__()
+        self.config = hf_model.config
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        c = self.config.get_text_config()
+        self.heads = c.num_attention_heads
+        self.kv_heads = getattr(c, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
+        self.scale = self.head_dim**-0.5
+        self.eps = float(c.rms_norm_eps)
+        decoder = hf_model.get_decoder()
+        embed = hf_model.get_input_embeddings()
+        weight = embed.weight.detach().to(dtype)  # [vocab, hidden]
+        self.embed_tokens = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
+        layers = [
+            CompactLayer(layer, f"model.layers.{i}", plan, dtype, pack)
+            for i, layer in enumerate(decoder.layers)
+        ]
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(decoder.norm.weight.detach().to(dtype), requires_grad=False)
+        head = hf_model.get_output_embeddings()
+        self.lm_head = make_linear(head.weight.detach(), head.bias, plan("lm_head.weight"), dtype, pack)
+        # The per-layer operands as plain tuples: the loop below then pays no nn.Module attribute
+        # lookups or __call__ hooks (thousands per step on a 30-layer model).
+        self._plan = [
+            (
+                layer.qkv.forward,
+                layer.o.forward,
+                layer.gate_up.forward,
+                layer.down.forward,
+                layer.input_norm,
+                layer.post_norm,
+                layer.intermediate,
+            )
+            for layer in layers
+        ]
+        cos, sin = _rotary_tables(decoder.rotary_emb, max_len, embed.weight.device)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: one roll instead of slices, neg and cat.
+        half = self.head_dim // 2
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.register_buffer("cos", cos, persistent=False)  # [max_len, head_dim] fp32
+        self.register_buffer("sin", sin_signed, persistent=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        logit_index: torch.Tensor,  # [num_logits] packed rows whose logits are wanted
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [num_logits, vocab] and, if asked, the final-norm hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        dtype = x.dtype
+        cos = self.cos[positions].to(dtype).unsqueeze(0)  # [1, num_tokens, head_dim]
+        sin = self.sin[positions].to(dtype).unsqueeze(0)
+        n, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        residual = x
+        eps, scale = self.eps, self.scale
+        for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, m) in enumerate(self._plan):
+            hs = rms_norm(residual, input_norm, eps)
+            qkv = qkv_proj(hs).view(n, h + 2 * kv, d).transpose(0, 1)  # [h + 2kv, num_tokens, d]
+            qk = qkv[: h + kv]
+            qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin  # rotary on queries and keys at once
+            attn = paged_attention(meta, i, qk[:h], qk[h:], qkv[h + kv :], scale)  # [num_tokens, h, d]
+            residual = residual + o_proj(attn.view(n, h * d))
+            hs = rms_norm(residual, post_norm, eps)
+            gate_up = gate_up_proj(hs)  # [num_tokens, 2 * intermediate]
+            residual = residual + down_proj(F.silu(gate_up[:, :m]) * gate_up[:, m:])
+        hidden = rms_norm(residual, self.norm, self.eps)  # [num_tokens, hidden]
+        logits = self.lm_head(hidden.index_select(0, logit_index))  # [num_logits, vocab]
+        return logits, (hidden if want_hidden else None)
+
+
+def _rotary_tables(
+    rotary: nn.Module, max_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] in fp32, from the model's own rotary module (its scaling included)."""
+    positions = torch.arange(max_len, device=device).unsqueeze(0)  # [1, max_len]
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    cos, sin = rotary(probe, positions)  # [1, max_len, head_dim]
+    return cos[0].float(), sin[0].float()
