@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from dataclasses import dataclass
+
+import transformers
 
 from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
@@ -52,11 +55,31 @@ class _Link:
         logger.warning("the gateway is gone; the engine core stops")
 
 
-def run_core(sock: socket.socket, config: EngineConfig, log_level: int) -> None:
+@dataclass(slots=True)
+class LogSettings:
+    """The gateway's logging, for the child to copy (a spawned process starts with none of it)."""
+
+    level: int
+    transformers_verbosity: int
+    progress_bars: bool
+
+    @classmethod
+    def current(cls) -> LogSettings:
+        hf = transformers.utils.logging
+        return cls(logging.getLogger().getEffectiveLevel(), hf.get_verbosity(), hf.is_progress_bar_enabled())
+
+    def apply(self) -> None:
+        logging.basicConfig(level=self.level, format="%(asctime)s %(name)s[core] %(message)s")
+        transformers.utils.logging.set_verbosity(self.transformers_verbosity)
+        if not self.progress_bars:
+            transformers.utils.logging.disable_progress_bar()
+
+
+def run_core(sock: socket.socket, config: EngineConfig, log: LogSettings) -> None:
     """The engine-core process's entry point."""
     # Ctrl-C reaches the whole process group; the gateway stops its core itself, after draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[core] %(message)s")
+    log.apply()
     channel = Channel(sock)
     try:
         engine = Engine(config)

@@ -20,7 +20,7 @@ from typing import Any
 
 from specgate.engine.config import EngineConfig
 from specgate.gateway.backends.embedded.channel import AsyncChannel
-from specgate.gateway.backends.embedded.core import run_core
+from specgate.gateway.backends.embedded.core import LogSettings, run_core
 from specgate.gateway.backends.embedded.handle import EngineHandle
 from specgate.gateway.backends.embedded.messages import Batch, Command, EngineUnavailable, LoadFailed
 from specgate.gateway.backends.embedded.model_info import ModelInfo
@@ -42,7 +42,7 @@ class EngineProcess(EngineHandle):
         # Daemonic: should the gateway exit without close(), multiprocessing still ends the child.
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_core,
-            args=(theirs, config, logging.getLogger().getEffectiveLevel()),
+            args=(theirs, config, LogSettings.current()),
             name="specgate-engine-core",
             daemon=True,
         )
