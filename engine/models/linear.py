@@ -1,7 +1,13 @@
 """The compact models' linear layers: dense (prepacked for oneDNN where it pays), int8 or int4.
 
-Every layer maps [..., in_features] to [..., out_features] in the model's dtype; the quantized ones
-keep their weights quantized and run torch's weight-only CPU kernels.
+Every layer maps [..., in_features] to [..., out_features] in the model's dtype.
+
+The weight-only kernels pay where a step reads each weight for a few rows (decoding, verifying a
+draft): there the weight bytes are the cost, and int4 reads a quarter of bf16's. For many rows
+(prefill chunks, large batches) the same kernels are compute-bound and about twice as slow as
+oneDNN's bf16 GEMM, so a quantized layer also keeps the dense form of its quantized weight and
+uses it above `max_rows` rows. Both forms hold the same weight values, so which one ran changes
+results by kernel rounding only. Memory is spent (dense plus quantized), not saved.
 """
 
 from __future__ import annotations
@@ -11,7 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgate.engine.cpu_linear import PackedLinear
-from specgate.engine.models.quant import int4_kernel_operands, quantize_int4, quantize_int8
+from specgate.engine.models.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    int4_kernel_operands,
+    quantize_int4,
+    quantize_int8,
+)
+
+# Rows up to which the weight-only kernel runs: plain decodes and verifications of up to 7 drafts.
+MAX_KERNEL_ROWS = 8
 
 
 class DenseLinear(nn.Module):
@@ -24,61 +39,69 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Int8Linear(nn.Module):
-    q: torch.Tensor
-    scale: torch.Tensor
+class WeightOnlyLinear(nn.Module):
+    """A quantized weight run by a weight-only kernel for few rows, by its dense form for many."""
+
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, dense: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int
+    ) -> None:
         super().__init__()
-        w = quantize_int8(weight)
-        self.register_buffer("q", w.q)  # [out, in] int8
-        self.register_buffer("scale", w.scale.to(dtype))  # [out]
+        self.dense = dense  # the dequantized weight, bias included
+        self.max_rows = max_rows
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes [tokens, in]
-        out: torch.Tensor = torch._weight_int8pack_mm(rows, self.q, self.scale)  # [tokens, out]
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return out if self.bias is None else out + self.bias
+        rows = x.reshape(-1, x.shape[-1])  # the kernels take [tokens, in]
+        if rows.shape[0] > self.max_rows:
+            out: torch.Tensor = self.dense(rows)
+        else:
+            out = self.kernel(rows)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
-class Int4Linear(nn.Module):
+class Int8Linear(WeightOnlyLinear):
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool
+    ) -> None:
+        w = quantize_int8(weight)
+        super().__init__(_dense(dequantize_int8(w), bias, dtype, pack), bias, dtype, MAX_KERNEL_ROWS)
+        self.register_buffer("q", w.q)  # [out, in] int8
+        self.register_buffer("scale", w.scale.to(dtype))  # [out]
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.q, self.scale)
+
+
+class Int4Linear(WeightOnlyLinear):
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
-    bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool
+    ) -> None:
         w = quantize_int4(weight)
+        super().__init__(_dense(dequantize_int4(w), bias, dtype, pack), bias, dtype, MAX_KERNEL_ROWS)
         self.group = w.group
         packed, scales_and_zeros = int4_kernel_operands(w, dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group, out, 2]
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes [tokens, in]
-        out: torch.Tensor = torch._weight_int4pack_mm_for_cpu(
-            rows, self.packed, self.group, self.scales_and_zeros
-        )  # [tokens, out]
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return out if self.bias is None else out + self.bias
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
 
 
-def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype, pack: bool
-) -> nn.Module:
-    """One linear layer for `weight` ([out, in], any float dtype) stored as `mode` (none, int8, int4).
-
-    `pack`: dense weights go to oneDNN's blocked layout (CPU bf16 / fp16 decoding streams them faster).
-    """
-    if mode == "int8":
-        return Int8Linear(weight, bias, dtype)
-    if mode == "int4":
-        return Int4Linear(weight, bias, dtype)
-    if mode != "none":
-        raise ValueError(f"unknown linear mode {mode!r}")
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool) -> nn.Module:
+    """A dense layer holding `weight` ([out, in]) in `dtype`; prepacked for oneDNN if `pack`."""
     dense = nn.Linear(
         weight.shape[1], weight.shape[0], bias=bias is not None, dtype=dtype, device=weight.device
     )
@@ -89,3 +112,19 @@ def make_linear(
     if pack:
         return PackedLinear([dense])
     return DenseLinear(dense.weight.data, None if dense.bias is None else dense.bias.data)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype, pack: bool
+) -> nn.Module:
+    """One linear layer for `weight` ([out, in], any float dtype) stored as `mode` (none, int8, int4).
+
+    `pack`: dense weights go to oneDNN's blocked layout (CPU bf16 / fp16 decoding streams them faster).
+    """
+    if mode == "int8":
+        return Int8Linear(weight, bias, dtype, pack)
+    if mode == "int4":
+        return Int4Linear(weight, bias, dtype, pack)
+    if mode != "none":
+        raise ValueError(f"unknown linear mode {mode!r}")
+    return _dense(weight, bias, dtype, pack)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgate.engine.models.linear import Int4Linear, Int8Linear, make_linear
+from specgate.engine.models.linear import MAX_KERNEL_ROWS, Int4Linear, Int8Linear, make_linear
 from specgate.engine.models.quant import (
     dequantize_int4,
     dequantize_int8,
@@ -73,7 +73,7 @@ def test_kernel_matches_the_dequantized_weight(
     torch.manual_seed(0)
     w, bias = torch.randn(shape) * 0.05, torch.randn(shape[0])
     x = torch.randn(5, shape[1]).to(dtype)
-    layer = kind(w, bias, dtype)
+    layer = kind(w, bias, dtype, False)
     dense = dequantize_int8(quantize_int8(w)) if reference == "int8" else dequantize_int4(quantize_int4(w))
     expected = x.float() @ dense.T + bias
     got = layer(x)
@@ -82,6 +82,11 @@ def test_kernel_matches_the_dequantized_weight(
     assert err < KERNEL_BOUND[dtype]
     # Leading dimensions are kept, one row gives what the same row gives in a batch.
     assert torch.allclose(layer(x.unsqueeze(0))[0].float(), got.float())
+    # Many rows (prefill) take the dense form of the same quantized weight.
+    many = torch.randn(3 * MAX_KERNEL_ROWS, shape[1]).to(dtype)
+    expected = many.float() @ dense.T + bias
+    err = (layer(many).float() - expected).abs().max() / expected.abs().max()
+    assert err < KERNEL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
