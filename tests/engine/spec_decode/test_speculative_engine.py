@@ -29,6 +29,27 @@ class FixedCosts(CostModel):
         pass
 
 
+def proposer_options(method: str, tiny_draft_dir: Path, tiny_eagle_dir: Path) -> dict:
+    return {
+        "draft_model": {"draft_model": {"model": str(tiny_draft_dir)}},
+        "eagle": {"eagle": {"head": str(tiny_eagle_dir)}},
+    }.get(method, {})
+
+
+def plain_and_speculative(engine: Engine, spec: SpecParams) -> tuple[dict, int]:
+    """Each repetitive prompt decoded greedily twice in one batch, plainly and with `spec`; asserts the
+    two outputs are token-identical and returns (outputs by request id, number of prompts)."""
+    engine.cost_model = FixedCosts()  # on a tiny model drafting costs as much as verifying: pretend not
+    ps = repetitive_prompts()
+    for i, p in enumerate(ps):
+        engine.add_request(f"plain{i}", p, SamplingParams(max_tokens=40, **GREEDY))
+        engine.add_request(f"spec{i}", p, SamplingParams(max_tokens=40, **GREEDY), spec)
+    outs = run_to_completion(engine)
+    for i in range(len(ps)):
+        assert tokens(outs[f"spec{i}"]) == tokens(outs[f"plain{i}"]), f"spec{i} diverged"
+    return outs, len(ps)
+
+
 def repetitive_prompts() -> list[list[int]]:
     # Prompts that repeat themselves give n-gram and suffix proposers something to find.
     return [p + p[: len(p) // 2] + p for p in prompts([6, 15, 30], seed=3)]
@@ -56,21 +77,12 @@ def test_greedy_speculation_is_token_identical_in_mixed_batches(
     tiny_eagle_dir: Path,
 ) -> None:
     # The draft is a different model with the same tokenizer, so drafts are sometimes rejected.
-    options = {
-        "draft_model": {"draft_model": {"model": str(tiny_draft_dir)}},
-        "eagle": {"eagle": {"head": str(tiny_eagle_dir)}},
-    }.get(method, {})
+    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
     engine = make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options)
-    engine.cost_model = FixedCosts()  # on a tiny model drafting costs as much as verifying: pretend not
     spec = SpecParams(method=method, controller=controller, num_speculative_tokens=3, k_max=5)
-    ps = repetitive_prompts()
-    for i, p in enumerate(ps):
-        engine.add_request(f"plain{i}", p, SamplingParams(max_tokens=40, **GREEDY))
-        engine.add_request(f"spec{i}", p, SamplingParams(max_tokens=40, **GREEDY), spec)
-    outs = run_to_completion(engine)
+    outs, n = plain_and_speculative(engine, spec)
     drafted = accepted = 0
-    for i in range(len(ps)):
-        assert tokens(outs[f"spec{i}"]) == tokens(outs[f"plain{i}"]), f"spec{i} diverged"
+    for i in range(n):
         assert outs[f"plain{i}"][-1].stats.spec is None
         stats = outs[f"spec{i}"][-1].stats.spec
         assert stats is not None and stats.method == method
@@ -95,27 +107,12 @@ def test_greedy_speculation_is_token_identical_on_quantized_weights(
 ) -> None:
     # Plain and speculative decoding on the same quantized weights (fp32 activations): verifying
     # k + 1 rows through the int8 / int4 kernels must pick what k + 1 single-row steps pick.
-    options = {
-        "draft_model": {"draft_model": {"model": str(tiny_draft_dir)}},
-        "eagle": {"eagle": {"head": str(tiny_eagle_dir)}},
-    }.get(method, {})
+    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
     engine = make_engine(
         num_blocks=1024, max_num_batched_tokens=48, proposer_options=options, quantization=quantization
     )
-    engine.cost_model = FixedCosts()
-    spec = SpecParams(method=method, controller="static", num_speculative_tokens=3)
-    ps = repetitive_prompts()
-    for i, p in enumerate(ps):
-        engine.add_request(f"plain{i}", p, SamplingParams(max_tokens=40, **GREEDY))
-        engine.add_request(f"spec{i}", p, SamplingParams(max_tokens=40, **GREEDY), spec)
-    outs = run_to_completion(engine)
-    drafted = 0
-    for i in range(len(ps)):
-        assert tokens(outs[f"spec{i}"]) == tokens(outs[f"plain{i}"]), f"spec{i} diverged"
-        stats = outs[f"spec{i}"][-1].stats.spec
-        assert stats is not None
-        drafted += stats.num_draft_tokens
-    assert drafted > 0
+    outs, n = plain_and_speculative(engine, SpecParams(method=method, controller="static"))
+    assert sum(outs[f"spec{i}"][-1].stats.spec.num_draft_tokens for i in range(n)) > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
