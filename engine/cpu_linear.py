@@ -33,6 +33,18 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def concat_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same-input layers as one: weights stacked [sum of out_features, in_features], and biases
+    (zeros for a layer without one), or None if none has a bias."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    parts = [
+        lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears
+    ]
+    return weight, torch.cat(parts)
+
+
 class PackedLinear(nn.Module):
     """One or more same-input nn.Linear layers as one prepacked oneDNN GEMM (outputs concatenated)."""
 
@@ -41,18 +53,12 @@ class PackedLinear(nn.Module):
         self.in_features = linears[0].in_features
         self.splits = [lin.out_features for lin in linears]
         self.out_features = sum(self.splits)
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # [out_features, in_features]
+        weight, bias = concat_linears(linears)
         # The batch-size hint only tunes the layout; results are correct for any number of rows.
         self.register_buffer(
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False
         )
-        self.bias: nn.Parameter | None = None
-        if any(lin.bias is not None for lin in linears):
-            parts = [
-                lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                for lin in linears
-            ]
-            self.bias = nn.Parameter(torch.cat(parts), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (input, its version, output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

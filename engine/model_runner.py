@@ -65,7 +65,9 @@ class ModelRunner:
             limits.append(int(window))
         self.max_model_len = min(limits)
         self.model, self.compact = build_model(hf_model, config, self.source, self.max_model_len)
-        del hf_model
+        del hf_model  # for the compact decoder, the last reference to the Hugging Face weights
+        if self.compact and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self.hidden_size = int(text_config.hidden_size)
         # The final norm's output is the feature a feature-level drafter (EAGLE) reads; a hook keeps a
         # reference to it on the forward passes that ask (no copy, no cost otherwise).

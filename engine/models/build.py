@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
-
-import torch
 
 from specgate.engine.config import EngineConfig
 from specgate.engine.cpu_linear import pack_linears, packing_supported
@@ -17,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_len: int) -> tuple[Any, bool]:
-    """(the model to run, whether it is the compact decoder). `hf_model` is consumed."""
+    """(the model to run, whether it is the compact decoder). The compact decoder copies what it
+    needs, so the caller may drop `hf_model` afterwards."""
     supported = compact_supported(hf_model.config)
     compact = config.model_impl == "compact" or (config.model_impl == "auto" and supported)
     if compact and not supported:
@@ -39,13 +39,6 @@ def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_le
         types = gguf_tensor_types(source.directory / source.gguf_file)
     plan = mode_plan(config.quantization if config.device == "cpu" else "none", types)
     model = CompactCausalLM(hf_model, plan, config.torch_dtype, pack, max_len)
-    modes: dict[str, int] = {}
-    for module in model.modules():
-        kind = type(module).__name__
-        if kind.endswith("Linear"):
-            modes[kind] = modes.get(kind, 0) + 1
-    logger.info("compact decoder, linear layers: %s", ", ".join(f"{n} {k}" for k, n in sorted(modes.items())))
-    del hf_model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    kinds = Counter(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear"))
+    logger.info("compact decoder, linear layers: %s", ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     return model, True

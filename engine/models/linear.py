@@ -13,7 +13,6 @@ results by kernel rounding only. Memory is spent (dense plus quantized), not sav
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specgate.engine.cpu_linear import PackedLinear
@@ -27,16 +26,6 @@ from specgate.engine.models.quant import (
 
 # Rows up to which the weight-only kernel runs: plain decodes and verifications of up to 7 drafts.
 MAX_KERNEL_ROWS = 8
-
-
-class DenseLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -109,9 +98,8 @@ def _dense(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, 
         dense.weight.copy_(weight)
         if bias is not None and dense.bias is not None:
             dense.bias.copy_(bias)
-    if pack:
-        return PackedLinear([dense])
-    return DenseLinear(dense.weight.data, None if dense.bias is None else dense.bias.data)
+    dense.requires_grad_(False)
+    return PackedLinear([dense]) if pack else dense
 
 
 def make_linear(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgate.engine.attention import AttentionMetadata, paged_attention
+from specgate.engine.cpu_linear import concat_linears
 from specgate.engine.models.linear import make_linear
 
 # model_type values whose HF layers are the plain Llama block (Qwen2 adds a qkv bias, read as it is).
@@ -45,17 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _fuse(
     parent: Any, prefix: str, names: tuple[str, ...], plan: ModePlan, dtype: torch.dtype, pack: bool
 ) -> nn.Module:
-    linears = [getattr(parent, n) for n in names]
-    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum of out, in]
-    biases = [lin.bias for lin in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else weight.new_zeros(lin.out_features)
-                for b, lin in zip(biases, linears, strict=True)
-            ]
-        )
+    weight, bias = concat_linears([getattr(parent, n) for n in names])  # [sum of out, in]
     mode = max((plan(f"{prefix}.{n}.weight") for n in names), key=_PRECISION.__getitem__)
     return make_linear(weight, bias, mode, dtype, pack)
 
