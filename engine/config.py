@@ -43,6 +43,11 @@ class EngineConfig:
     # auto: the compact decoder for the Llama family (llama, qwen2, mistral), the Hugging Face
     # modules for anything else; compact or hf to force one.
     model_impl: str = "auto"
+    # Automatic prefix caching: full KV blocks are kept, keyed by a hash chained over their tokens (and
+    # the request's salt), and a prompt that starts with cached blocks skips their prefill.
+    prefix_caching: bool = True
+    # Most memory that cached blocks no sequence uses may hold (None: any free part of the KV pool).
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -78,6 +83,8 @@ class EngineConfig:
             raise ValueError("int8 / int4 weights run with float32 or bfloat16 activations")
         if self.model_impl not in ("auto", "compact", "hf"):
             raise ValueError(f"model_impl must be auto, compact or hf; got {self.model_impl!r}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

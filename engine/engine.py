@@ -128,9 +128,11 @@ class Engine:
         params: SamplingParams,
         spec: SpecParams | None = None,
         cache_scope: str | None = "",
+        prefix_salt: str | None = "",
     ) -> None:
         """`cache_scope`: requests share a proposer's cross-request state (the suffix cache) only
-        within one scope; None shares nothing."""
+        within one scope; None shares nothing. `prefix_salt`: requests reuse each other's cached KV
+        blocks (the prefix cache) only under the same salt; None shares nothing."""
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt = [int(t) for t in prompt_token_ids]
@@ -179,6 +181,7 @@ class Engine:
             stats=stats,
             detokenizer=detok,
             spec=SpecState(spec) if proposer is not None and spec is not None else None,
+            prefix_salt=prefix_salt,
         )
         if proposer is not None:
             try:

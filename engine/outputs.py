@@ -59,6 +59,8 @@ class RequestStats:
     arrival_time: float
     num_prompt_tokens: int
     num_output_tokens: int = 0
+    # Prompt tokens whose keys / values came from the prefix cache (not prefilled by this request).
+    num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -30,6 +30,8 @@ class Sequence:
     stats: RequestStats
     detokenizer: IncrementalDetokenizer | None = None
     spec: SpecState | None = None  # None: this request never speculates
+    # Prefix-cache salt: KV blocks are shared only between requests with the same salt; None: none.
+    prefix_salt: str | None = ""
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose keys and values are in the KV cache; the rest are scheduled in later steps.
     num_computed_tokens: int = 0
