@@ -81,7 +81,12 @@ class Engine:
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.source.name
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks,
+            config.block_size,
+            caching=config.prefix_caching,
+            max_cached_blocks=self._max_cached_blocks(),
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.cost_model = CostModel()
         self._seqs: dict[str, Sequence] = {}
@@ -92,6 +97,13 @@ class Engine:
         self._proposers: dict[str, Proposer] = {}
         for method in config.proposer_options:
             self.proposer(method)
+
+    def _max_cached_blocks(self) -> int | None:
+        limit = self.config.prefix_cache_bytes
+        if limit is None:
+            return None
+        cache = self.runner.kv_cache
+        return limit // max(1, cache.nbytes // cache.num_blocks)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -225,6 +237,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        for seq in self.scheduler.hits:
+            self._restore_features(seq)
         step = self._plan(batch, outputs)
         if step is None or not self._forward(step, outputs):
             return outputs
@@ -314,6 +328,8 @@ class Engine:
         self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, context)
         for s in step.batch:
             seq = s.seq
+            if not seq.is_finished:
+                self.block_manager.publish(seq)  # its newly committed full blocks
             if seq.pending_token_ids or seq.is_finished:
                 outputs.append(self._output(seq))
         return outputs
@@ -512,6 +528,22 @@ class Engine:
             )
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _restore_features(self, seq: Sequence) -> None:
+        """A prefix-cache hit skipped the prefill of its leading blocks: a proposer drafting from
+        target features gets theirs from the runner's feature pool instead."""
+        proposer = self._feature_proposer(seq)
+        if proposer is None or self.runner.features is None:
+            return
+        n = seq.num_computed_tokens
+        self._guard(
+            seq,
+            "restoring cached target features",
+            proposer.observe_hidden,
+            seq.request_id,
+            0,
+            self.runner.cached_features(seq.block_table, n),
+        )
 
     def _feature_proposer(self, seq: Sequence) -> Proposer | None:
         """The sequence's proposer if it drafts from the target's hidden states, else None."""

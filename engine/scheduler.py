@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specgate.engine.block_manager import BlockManager
+from specgate.engine.block_manager import BlockManager, blocks_for
 from specgate.engine.sequence import Sequence, SequenceStatus
 
 
@@ -36,6 +36,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         # Blocks kept free when admitting new work, so running decodes rarely need preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # Sequences admitted in the last schedule() with a prefix-cache hit (their leading blocks
+        # were not prefilled: a proposer drafting from target features needs those of the cache).
+        self.hits: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,7 +57,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq)  # its committed blocks stay cached: readmission may hit them
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.stats.num_preemptions += 1
@@ -84,14 +87,26 @@ class Scheduler:
             budget -= n
         # Budget given back by preempted sequences is not reused this step: they just lost their blocks.
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+        self.hits = []
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            hits = bm.match(seq)
+            computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
+            n = min(seq.num_tokens - computed, budget)
             reserve = self.watermark_blocks if self.running else 0
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n, reserve):
+            # Hit blocks that no sequence holds leave the free pool too.
+            need = blocks_for(computed + n, bm.block_size) - len(seq.block_table) - len(hits)
+            if need + bm.num_reclaimed(hits) + reserve > bm.num_free_blocks:
                 break  # first come, first served: later arrivals do not overtake a blocked one
             self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            if not seq.block_table:
+                bm.acquire(seq, hits)
+            if hits:
+                self.hits.append(seq)
+                if not seq.stats.num_preemptions:
+                    seq.stats.num_cached_tokens = seq.num_computed_tokens
+            bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))

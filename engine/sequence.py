@@ -36,6 +36,8 @@ class Sequence:
     # Tokens whose keys and values are in the KV cache; the rest are scheduled in later steps.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the leading full blocks whose tokens are committed (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None  # set when the engine failed this request alone

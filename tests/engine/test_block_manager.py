@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specgate.engine.block_manager import BlockManager, blocks_for
+from specgate.engine.block_manager import BlockManager, block_hash, blocks_for
 from specgate.engine.outputs import RequestStats
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.sequence import Sequence
@@ -194,3 +194,146 @@ def test_usage_tracks_used_blocks() -> None:
         assert bm.usage == pytest.approx(used / 8)
     bm.truncate(seq, 6)
     assert (bm.num_used_blocks, bm.num_free_blocks, bm.usage) == (3, 5, pytest.approx(3 / 8))
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+def committed(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """`seq` holds blocks for its first `num_tokens` tokens, computed: what a prefill step leaves."""
+    bm.allocate(seq, num_tokens)
+    seq.num_computed_tokens = num_tokens
+    bm.publish(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> list[int]:
+    hits = bm.match(seq)
+    bm.acquire(seq, hits)
+    return hits
+
+
+def test_block_hash_chains_over_the_prefix_and_the_salt() -> None:
+    a = block_hash(None, [1, 2, 3, 4], "")
+    assert a == block_hash(None, [1, 2, 3, 4], "")
+    assert a != block_hash(None, [1, 2, 3, 5], "")
+    assert a != block_hash(None, [1, 2, 3, 4], "tenant-b")
+    # The same block after different prefixes is a different block.
+    assert block_hash(a, [5, 6, 7, 8], "") != block_hash(block_hash(None, [0, 2, 3, 4], ""), [5, 6, 7, 8], "")
+    # Token boundaries count: (1, 23) is not (12, 3).
+    assert block_hash(None, [1, 23], "") != block_hash(None, [12, 3], "")
+
+
+def test_a_second_sequence_takes_the_cached_full_blocks_of_the_first() -> None:
+    bm = BlockManager(16, 4, caching=True)
+    a = make_seq(14, "a")
+    committed(bm, a, 14)  # 3 full blocks published, the 4th partial
+    assert bm.num_cached_blocks == 3
+    b = make_seq(14, "b")  # the same tokens
+    hits = admit(bm, b)
+    assert hits == a.block_table[:3]
+    assert b.block_table == a.block_table[:3] and b.num_computed_tokens == 12
+    assert bm.num_used_blocks == 4  # shared blocks are counted once
+    assert (bm.queried_tokens, bm.hit_tokens) == (14, 12)
+
+
+def test_the_last_token_is_always_left_to_compute() -> None:
+    bm = BlockManager(16, 4, caching=True)
+    a = make_seq(12, "a")
+    committed(bm, a, 12)  # 3 full blocks
+    b = make_seq(12, "b")
+    assert len(admit(bm, b)) == 2  # the third would leave nothing to sample from
+    assert b.num_computed_tokens == 8
+
+
+def test_hits_stop_at_the_first_difference_and_respect_the_salt() -> None:
+    bm = BlockManager(32, 4, caching=True)
+    a = make_seq(20, "a")
+    committed(bm, a, 20)
+    b = make_seq(20, "b")
+    b.token_ids[9] = 90  # the third block differs
+    assert admit(bm, b) == a.block_table[:2]
+    other = make_seq(20, "other")
+    other.prefix_salt = "tenant-b"
+    assert admit(bm, other) == []
+    private = make_seq(20, "private")
+    private.prefix_salt = None
+    assert admit(bm, private) == []
+    bm.allocate(private, 20)
+    private.num_computed_tokens = 20
+    bm.publish(private)  # a request that shares nothing publishes nothing
+    assert bm.num_cached_blocks == 5
+
+
+def test_freed_cached_blocks_stay_until_an_allocation_needs_them_lru_first() -> None:
+    bm = BlockManager(4, 2, caching=True)
+    old, new = make_seq(3, "old"), make_seq(3, "new")
+    old.token_ids, new.token_ids = [1, 2, 3], [4, 5, 6]
+    committed(bm, old, 3)
+    committed(bm, new, 3)
+    bm.free(old)
+    bm.free(new)
+    assert bm.num_free_blocks == 4 and bm.num_used_blocks == 0
+    assert bm.num_cached_blocks == 2  # [1, 2] and [4, 5]
+    filler = make_seq(6, "filler")
+    filler.token_ids = [9] * 6
+    bm.allocate(filler, 6)  # 3 blocks: the 2 empty ones, then the least recently freed cached one
+    assert bm.num_cached_blocks == 1
+    again_old, again_new = make_seq(3, "o2"), make_seq(3, "n2")
+    again_old.token_ids, again_new.token_ids = [1, 2, 3], [4, 5, 6]
+    assert admit(bm, again_old) == []  # evicted
+    assert len(admit(bm, again_new)) == 1
+
+
+def test_a_cached_block_held_by_a_sequence_is_never_evicted() -> None:
+    bm = BlockManager(3, 2, caching=True)
+    a = make_seq(3, "a")
+    committed(bm, a, 3)
+    b = make_seq(3, "b")
+    admit(bm, b)
+    bm.free(a)
+    big = make_seq(4, "big")
+    bm.allocate(big, 4)  # both blocks not held by b
+    assert bm.num_free_blocks == 0
+    with pytest.raises(RuntimeError):
+        bm.allocate(make_seq(1, "x"), 1)
+    assert bm.num_cached_blocks == 1 and b.block_table[0] not in big.block_table
+
+
+def test_rolled_back_and_uncommitted_blocks_are_never_published() -> None:
+    bm = BlockManager(16, 4, caching=True)
+    a = make_seq(6, "a")
+    bm.allocate(a, 6)
+    a.num_computed_tokens = 6
+    a.token_ids += [60, 61, 62, 63, 64]  # drafts being verified: blocks allocated, not committed
+    bm.allocate(a, 11)
+    bm.publish(a)
+    assert bm.num_cached_blocks == 1  # only the first block is full and committed
+    bm.truncate(a, 7)  # one draft accepted, the rest rolled back
+    del a.token_ids[8:]
+    a.num_computed_tokens = 7
+    bm.publish(a)
+    assert bm.num_cached_blocks == 1
+    bm.free(a)
+    assert bm.num_free_blocks == 16
+
+
+def test_max_cached_blocks_bounds_what_unused_blocks_keep() -> None:
+    bm = BlockManager(16, 2, caching=True, max_cached_blocks=2)
+    a = make_seq(9, "a")
+    committed(bm, a, 9)
+    assert bm.num_cached_blocks == 4  # held blocks stay cached whatever the bound
+    table = list(a.block_table)
+    bm.free(a)
+    assert bm.num_cached_blocks == 2
+    b = make_seq(9, "b")
+    # A table is released from its tail, so the tail is evicted first and the shared start stays.
+    assert admit(bm, b) == table[:2]
+
+
+def test_without_caching_nothing_is_matched_or_published() -> None:
+    bm = BlockManager(16, 4)
+    a = make_seq(14, "a")
+    committed(bm, a, 14)
+    assert bm.num_cached_blocks == 0 and admit(bm, make_seq(14, "b")) == []
+    bm.free(a)
+    assert bm.num_free_blocks == 16
