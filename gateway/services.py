@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -144,7 +145,18 @@ class Services:
 
     def cache_scope(self, key_id: str | None, addr: str) -> str | None:
         """The drafting-cache scope of a request from this key / address (settings.embedded)."""
-        mode = self.settings.embedded.draft_cache_scope
+        return self._scope(self.settings.embedded.draft_cache_scope, key_id, addr)
+
+    def prefix_salt(self, key_id: str | None, addr: str, cache_salt: str | None = None) -> str | None:
+        """The prefix-cache salt of a request: its tenant's scope (settings.embedded
+        .prefix_cache_scope), partitioned further by the client's own `cache_salt` if it sent one.
+        None: the request shares cached prompts with nobody."""
+        scope = self._scope(self.settings.embedded.prefix_cache_scope, key_id, addr)
+        if scope is None or cache_salt is None:
+            return scope
+        return salted(scope, cache_salt)
+
+    def _scope(self, mode: str, key_id: str | None, addr: str) -> str | None:
         if mode == "off":
             return None
         if mode == "global":
@@ -180,3 +192,11 @@ class Services:
             out.update(queue_depth=load.queue_depth, running=load.running, kv_usage=round(load.kv_usage, 4))
         out["backend_in_flight"] = {name: b.in_flight for name, b in load.backends.items()}
         return out
+
+
+def salted(scope: str, cache_salt: str) -> str:
+    """A scope combined with a client's salt. Hashed, so that the result is short whatever the
+    client sent and no choice of salt can spell another scope (the NUL separator appears in
+    neither part: scopes are key hashes or addresses, and salts may hold no control characters)."""
+    digest = hashlib.sha256(f"{scope}\x00{cache_salt}".encode()).hexdigest()
+    return f"salt:{digest}"

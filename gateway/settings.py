@@ -61,6 +61,15 @@ class EmbeddedSettings(BaseModel):
     # output would leak it through acceptance and timing): "tenant" = per API key, or per client
     # address in open mode; "address" = per client address; "global" = everyone; "off" = nobody.
     draft_cache_scope: Literal["tenant", "address", "global", "off"] = "tenant"
+    # Automatic prefix caching: a prompt that starts like an earlier one reuses its KV blocks and
+    # skips their prefill. `prefix_cache_bytes` caps what cached blocks no request uses may hold
+    # (None: any free part of the KV pool; 0 keeps nothing once its requests end).
+    prefix_caching: bool = True
+    prefix_cache_bytes: int | None = Field(None, ge=0)
+    # Who may hit whose cached prompts: a hit shows in the time to first token, so a shared cache
+    # tells one tenant what another's prompts start with. Same values as draft_cache_scope; a
+    # request's `cache_salt` partitions its scope further, never reaching beyond it.
+    prefix_cache_scope: Literal["tenant", "address", "global", "off"] = "tenant"
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)

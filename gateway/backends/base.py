@@ -22,6 +22,9 @@ class Observation:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens); None
+    # when the backend did not say.
+    cached_tokens: int | None = None
     queue_time: float | None = None  # seconds waiting for a batch slot (embedded)
     # Speculation counters in vLLM's vocabulary (embedded engine, or parsed from the backend).
     spec: dict[str, Any] | None = None
@@ -47,6 +50,9 @@ class BackendCall:
     engine_id: str = ""  # the embedded engine's id for this call
     # Whose drafting state this call may share (the suffix cache): a tenant, or None for nobody's.
     cache_scope: str | None = None
+    # Whose cached prompt blocks (the prefix cache) this call may reuse: the tenant's scope, salted
+    # further by the client's `cache_salt`; None for nobody's.
+    prefix_salt: str | None = None
 
     @property
     def stream(self) -> bool:

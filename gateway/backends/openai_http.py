@@ -20,6 +20,7 @@ import email.utils
 import json
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -132,6 +133,11 @@ class OpenAIBackend:
     def _payload(self, call: BackendCall) -> dict[str, Any]:
         body = {k: v for k, v in call.body.items() if k not in _DROP}
         body["model"] = self.upstream_model(call.model)
+        if body.get("cache_salt") is not None:
+            # The client's salt would partition the upstream's prefix cache across all our tenants:
+            # it gets the call's own salt instead (the tenant's scope combined with the client's
+            # salt), or, where the gateway shares cached prompts with nobody, a salt of its own.
+            body["cache_salt"] = call.prefix_salt or f"once:{secrets.token_hex(16)}"
         if call.stream:
             # Always ask for usage so the gateway can count; the chunk is dropped if the client did not ask.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -349,7 +355,26 @@ def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dic
                 if whole:
                     raise _Malformed(f"sent an impossible usage.{key}")
                 usage[key] = None  # a count we cannot believe is no count
+        _fit_prompt_details(usage)
     return body
+
+
+def _fit_prompt_details(usage: dict[str, Any]) -> None:
+    """`prompt_tokens_details` is an optional detail: one that cannot be true (not an object, a
+    cached count that is not a count or exceeds the prompt) is dropped, and never costs the answer."""
+    details = usage.get("prompt_tokens_details")
+    if details is None:
+        return
+    if not isinstance(details, dict):
+        usage["prompt_tokens_details"] = None
+        return
+    cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
+    if cached is None:
+        return
+    count = isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached <= MAX_USAGE
+    known_prompt = isinstance(prompt, int) and not isinstance(prompt, bool)
+    if not count or (known_prompt and cached > prompt):
+        details["cached_tokens"] = None
 
 
 def _model_ids(listing: Any) -> list[str]:

@@ -23,6 +23,9 @@ def capture(body: dict[str, Any], obs: Observation) -> None:
     if isinstance(use, dict):
         obs.prompt_tokens = _count(use.get("prompt_tokens"), obs.prompt_tokens)
         obs.completion_tokens = _count(use.get("completion_tokens"), obs.completion_tokens)
+        details = use.get("prompt_tokens_details")
+        if isinstance(details, dict):  # OpenAI's and vLLM's prefix-cache hits
+            obs.cached_tokens = _count(details.get("cached_tokens"), obs.cached_tokens)
     for choice in body.get("choices") or ():
         if isinstance(choice, dict) and choice.get("finish_reason"):
             obs.finish_reason = choice["finish_reason"]

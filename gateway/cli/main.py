@@ -112,11 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    _quiet_transformers()
-    import uvicorn
-
-    from specgate.gateway.http.app import create_app
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """The settings `serve` runs with: the config file and environment, then the flags given."""
     from specgate.gateway.settings import Settings
 
     overrides = {"host": args.host, "port": args.port}
@@ -130,6 +127,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "threads": args.threads,
             "quantization": args.quantization,
             "model_impl": args.model_impl,
+            "prefix_caching": args.prefix_caching,
+            "prefix_cache_bytes": args.prefix_cache_bytes,
         }.items()
         if v is not None
     }
@@ -143,6 +142,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pydantic import SecretStr
 
         settings.api_keys = [SecretStr(k) for k in args.api_key]
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    import uvicorn
+
+    from specgate.gateway.http.app import create_app
+
+    settings = serve_settings(args)
     if settings.telemetry.enabled:
         _preflight_schema(settings)
     app = create_app(settings, cache_dir=default_cache_dir())
@@ -207,6 +216,17 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes_arg(text: str) -> int:
+    """A byte count: digits, optionally with a binary suffix (K, M, G: KiB, MiB, GiB)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(raw[-1:], 1)
+    digits = raw[:-1] if raw[-1:] in units else raw
+    if not (digits.isascii() and digits.isdigit()):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 268435456, 256M, 1G)")
+    return int(digits) * scale
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgate", description="Adaptive speculative-decoding gateway")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -237,6 +257,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None)
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_weight_args(serve, None)
+    serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        default=None,
+        help="embedded engine: prefill every prompt in full (no reuse of cached prompt blocks)",
+    )
+    serve.add_argument(
+        "--prefix-cache-bytes",
+        type=_bytes_arg,
+        default=None,
+        help="most memory cached prompt blocks no request uses may keep (default: any free KV memory)",
+    )
     serve.add_argument(
         "--engine-thread",
         action="store_true",

@@ -56,6 +56,7 @@ async def handle(
             spec=decision.spec,
             route=decision,
             cache_scope=svc.cache_scope(key_id, state.client_addr),
+            prefix_salt=svc.prefix_salt(key_id, state.client_addr, parsed.cache_salt),
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
         rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
@@ -144,6 +145,7 @@ def _observe(rec: RequestRecord, obs: Observation) -> None:
     rec.finish_reason = obs.finish_reason
     rec.prompt_tokens = obs.prompt_tokens
     rec.completion_tokens = obs.completion_tokens
+    rec.cached_tokens = obs.cached_tokens
     rec.queue_ms = None if obs.queue_time is None else obs.queue_time * 1e3
     rec.spec = obs.spec
     rec.upstream = obs.upstream

@@ -12,12 +12,17 @@ from specgate.gateway.protocol.route import RouteDecision
 TokenText = Callable[[int], str]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (prompt tokens served from the prefix cache) goes
+    into `prompt_tokens_details` as OpenAI and vLLM report it, and is left out when unknown."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def chat_chunk(
@@ -50,7 +55,7 @@ def completion_chunk(
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
@@ -60,7 +65,7 @@ def chat_response(
     model: str,
     message: dict[str, Any],
     finish_reason: str | None,
-    use: dict[str, int],
+    use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -80,7 +85,7 @@ def completion_response(
     model: str,
     text: str,
     finish_reason: str | None,
-    use: dict[str, int],
+    use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

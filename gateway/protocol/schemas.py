@@ -2,7 +2,8 @@
 
 Unknown fields survive (`extra="allow"`) so that vendor extensions reach external backends untouched.
 Beyond OpenAI's fields, the vLLM sampling extensions (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, include_stop_str_in_output) and specgate's own `spec` are understood.
+ignore_eos, stop_token_ids, include_stop_str_in_output), vLLM's `cache_salt` and specgate's own
+`spec` are understood.
 
 Every field is bounded: numbers are finite and in range (a temperature of 1e-300 or a seed of 2**64
 is refused or made harmless here, never inside the engine's batch), strings and lists have a length
@@ -39,6 +40,7 @@ MAX_TOOL_NAME = 64
 MAX_PROMPTS = 128
 MAX_LOGPROBS = 20
 MAX_SPEC_K = 64
+MAX_CACHE_SALT = 256
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -54,6 +56,28 @@ Controller = Annotated[
     str, AfterValidator(_controller), WithJsonSchema({"type": "string", "enum": list(CONTROLLERS)})
 ]
 Name = Annotated[str, Field(max_length=MAX_NAME)]
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _no_control(value: str) -> str:
+    if _CONTROL.search(value) is not None:
+        raise ValueError("cache_salt must not contain control characters")
+    return value
+
+
+# vLLM's `cache_salt`: text without C0 / C1 control characters, bounded. Strict: a number is not
+# silently taken for a salt.
+CacheSalt = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_CACHE_SALT,
+        strict=True,
+        description="prefix-cache partition within the caller's own (vLLM's cache_salt)",
+        json_schema_extra={"pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]+$"},
+    ),
+    AfterValidator(_no_control),
+]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # A tool name as OpenAI defines it: letters, digits, underscores and dashes (dots too), at most 64.
 _TOOL_NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_TOOL_NAME}}}$")
@@ -106,6 +130,9 @@ class _Sampling(_Edge):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
+    # vLLM's prefix-cache extension: requests reuse each other's cached prompt blocks only under
+    # the same salt, and only within the caller's scope (the gateway combines the two).
+    cache_salt: CacheSalt | None = None
     spec: SpecRequest | None = None
 
     @field_validator("stop")

@@ -33,6 +33,8 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Prompt tokens served from the backend's prefix cache; None when the backend does not say.
+    cached_tokens: int | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     queue_ms: float | None = None

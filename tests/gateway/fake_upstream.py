@@ -54,6 +54,7 @@ class Reply:
     text: str | None = None  # the answer's text; the upstream's default text if None
     after: int = 1  # content chunks sent before a mid-stream failure
     extra: dict[str, Any] = field(default_factory=dict)  # merged into the body, or the stream's last chunk
+    usage: dict[str, Any] = field(default_factory=dict)  # merged into the usage object (body or tail chunk)
     tool_calls: list[dict[str, Any]] | None = None
     # raw: the answer exactly as given (status, headers, body chunks), for misbehaving upstreams.
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -314,7 +315,7 @@ class FakeUpstream:
             "created": 1700000000,
             "model": body.get("model"),
             "choices": [choice],
-            "usage": _usage(len(pieces)),
+            "usage": {**_usage(len(pieces)), **reply.usage},
         }
         out.update(reply.extra)
         return out
@@ -367,7 +368,7 @@ class FakeUpstream:
             await _send_event(conn, writer, last)
             if (body.get("stream_options") or {}).get("include_usage"):
                 tail = {"id": "fake-1", "object": obj, "created": 1700000000, "model": model, "choices": []}
-                tail["usage"] = _usage(len(pieces))
+                tail["usage"] = {**_usage(len(pieces)), **reply.usage}
                 await _send_event(conn, writer, tail)
             await _send_data(conn, writer, b"[DONE]")
         writer.write(conn.send(h11.EndOfMessage()))

@@ -62,6 +62,9 @@ def test_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         {"routes": {"m": {"backends": ["ghost"]}}},
         {"embedded": {"spec": {"k_min": 5, "k_max": 2}}},
         {"embedded": {"unknown_knob": 1}},
+        {"embedded": {"prefix_cache_bytes": -1}},
+        {"embedded": {"prefix_cache_scope": "everyone"}},
+        {"embedded": {"prefix_caching": "sometimes"}},
         {"port": -1},
     ],
 )
@@ -73,3 +76,20 @@ def test_invalid_settings_are_refused(data: dict) -> None:
 def test_secrets_do_not_print() -> None:
     s = Settings(api_keys=["sk-secret"], admin_key="adm-secret")
     assert "sk-secret" not in repr(s) and "adm-secret" not in str(s.model_dump())
+
+
+def test_prefix_caching_defaults_and_reaches_the_engine_config() -> None:
+    e = Settings().embedded
+    assert e.prefix_caching is True and e.prefix_cache_bytes is None and e.prefix_cache_scope == "tenant"
+    cfg = e.engine_config()
+    assert cfg.prefix_caching is True and cfg.prefix_cache_bytes is None
+    e = Settings(embedded={"prefix_caching": False, "prefix_cache_bytes": 2**20}).embedded
+    cfg = e.engine_config()
+    assert cfg.prefix_caching is False and cfg.prefix_cache_bytes == 2**20
+
+
+def test_prefix_cache_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECGATE_EMBEDDED__PREFIX_CACHE_SCOPE", "global")
+    monkeypatch.setenv("SPECGATE_EMBEDDED__PREFIX_CACHE_BYTES", "0")
+    e = Settings().embedded
+    assert e.prefix_cache_scope == "global" and e.prefix_cache_bytes == 0

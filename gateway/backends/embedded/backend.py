@@ -193,7 +193,10 @@ class EmbeddedBackend:
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
-        return prep, worker.submit(call.engine_id, prep.prompt_ids, prep.params, spec, call.cache_scope)
+        q = worker.submit(
+            call.engine_id, prep.prompt_ids, prep.params, spec, call.cache_scope, call.prefix_salt
+        )
+        return prep, q
 
     @staticmethod
     def _spec_params(call: BackendCall) -> SpecParams | None:
@@ -228,6 +231,8 @@ class EmbeddedBackend:
                     )
                 if call.observed.first_token_time is None and item.new_token_ids:
                     call.observed.first_token_time = time.time()
+                # Known once the prompt is scheduled: a request cancelled later still reports it.
+                call.observed.cached_tokens = item.stats.num_cached_tokens
                 finished = item.finished
                 yield item
                 if finished:
@@ -263,7 +268,7 @@ class EmbeddedBackend:
             final = out
         assert final is not None
         self._observe_final(call, final)
-        use = fmt.usage(len(prep.prompt_ids), final.stats.num_output_tokens)
+        use = fmt.usage(len(prep.prompt_ids), final.stats.num_output_tokens, final.stats.num_cached_tokens)
         body = final_body(call, prep, "".join(text), lps, final.finish_reason, use, self._token_text)
         body["metrics"] = fmt.metrics_from_stats(final.stats, call.route)
         return body

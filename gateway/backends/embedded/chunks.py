@@ -32,7 +32,7 @@ def final_body(
     text: str,
     lps: list[TokenLogprob],
     finish: str | None,
-    use: dict[str, int],
+    use: dict[str, Any],
     text_of: Callable[[int], str],
 ) -> dict[str, Any]:
     """The whole answer of a request that was not streamed."""
@@ -103,7 +103,7 @@ class ChunkWriter:
                 chunks.append(self._chunk("", delta={"tool_calls": deltas}))
         last = self._chunk("", finish)
         last["metrics"] = fmt.metrics_from_stats(out.stats, self.call.route)
-        use = fmt.usage(len(self.prep.prompt_ids), out.stats.num_output_tokens)
+        use = fmt.usage(len(self.prep.prompt_ids), out.stats.num_output_tokens, out.stats.num_cached_tokens)
         if self.call.request.include_usage:
             last["usage"] = None
             obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"

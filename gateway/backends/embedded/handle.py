@@ -53,12 +53,14 @@ class EngineHandle:
         params: SamplingParams,
         spec: SpecParams | None,
         cache_scope: str | None = "",
+        prefix_salt: str | None = "",
     ) -> asyncio.Queue[Item]:
-        """Outputs, or the exception that refused the request, arrive on the queue."""
+        """Outputs, or the exception that refused the request, arrive on the queue. `cache_scope`
+        and `prefix_salt` are the engine's (Engine.add_request): None shares nothing."""
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = q
         self._pending += 1
-        self._send(("add", (request_id, prompt_ids, params, spec, cache_scope)))
+        self._send(("add", (request_id, prompt_ids, params, spec, cache_scope, prefix_salt)))
         return q
 
     def abort(self, request_id: str) -> None:

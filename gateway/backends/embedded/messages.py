@@ -13,7 +13,8 @@ from typing import Any
 from specgate.engine.outputs import RequestOutput
 
 Item = RequestOutput | BaseException
-# ("add", (request_id, prompt_ids, params, spec, cache_scope)), ("abort", request_id), ("stop", None)
+# ("add", (request_id, prompt_ids, params, spec, cache_scope, prefix_salt)), ("abort", request_id),
+# ("stop", None)
 Command = tuple[str, Any]
 READY, REBUILDING = "ready", "rebuilding"
 

@@ -134,9 +134,9 @@ class EngineSupervisor:
         return taken
 
     def _admit(self, arg: Any, deliveries: list[tuple[str, Item]]) -> None:
-        rid, prompt_ids, params, spec, scope = arg
+        rid, prompt_ids, params, spec, scope, salt = arg
         try:
-            self.engine.add_request(rid, prompt_ids, params, spec, scope)
+            self.engine.add_request(rid, prompt_ids, params, spec, cache_scope=scope, prefix_salt=salt)
         except RequestError as exc:
             deliveries.append((rid, exc))
         except Exception as exc:  # a bug while admitting one request: that request fails

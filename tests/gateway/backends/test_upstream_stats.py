@@ -223,3 +223,34 @@ def test_another_specgate_upstream_is_read_consistently_with_its_own_counters() 
     assert obs.spec["mean_acceptance_length"] == pytest.approx(
         inner["spec_decoding"]["mean_acceptance_length"]
     )
+
+
+@pytest.mark.parametrize(
+    ("details", "expected"),
+    [
+        ({"cached_tokens": 8}, 8),  # vLLM / OpenAI
+        ({"cached_tokens": 0}, 0),
+        ({"cached_tokens": None}, None),
+        ({}, None),
+        (None, None),  # vLLM without --enable-prompt-tokens-details
+        ({"cached_tokens": -1}, None),
+        ({"cached_tokens": True}, None),
+        ({"cached_tokens": "8"}, None),
+        ({"cached_tokens": 2**40}, None),
+        ("8", None),
+    ],
+    ids=repr,
+)
+def test_cached_tokens_are_read_from_prompt_tokens_details(details: Any, expected: int | None) -> None:
+    obs = Observation()
+    capture(chat_body(usage={**USAGE, "prompt_tokens_details": details}), obs)
+    assert obs.cached_tokens == expected
+    assert obs.prompt_tokens == 12  # the rest of the usage is read either way
+
+
+def test_a_stream_reports_cached_tokens_in_its_usage_chunk() -> None:
+    obs = Observation()
+    capture({"choices": [{"index": 0, "delta": {"content": "x"}}]}, obs)
+    assert obs.cached_tokens is None
+    capture({"choices": [], "usage": {**USAGE, "prompt_tokens_details": {"cached_tokens": 4}}}, obs)
+    assert obs.cached_tokens == 4

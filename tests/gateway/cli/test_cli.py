@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate.gateway.cli.main import main
+from specgate.gateway.cli.main import build_parser, main, serve_settings
 
 
 def test_generate_streams_text_and_reports_stats(
@@ -121,3 +121,37 @@ def test_serve_refuses_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixtur
     config.write_text("backends:\n  - name: x\n    base_url: ftp://nowhere\n")
     assert main(["serve", "--config", str(config)]) == 2
     assert "base_url must start with http" in capsys.readouterr().err
+
+
+def _serve(*argv: str) -> object:
+    return serve_settings(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_prefix_cache_flags(tmp_path: Path) -> None:
+    default = _serve().embedded  # type: ignore[attr-defined]
+    assert default.prefix_caching is True and default.prefix_cache_bytes is None
+    off = _serve("--no-prefix-caching").embedded  # type: ignore[attr-defined]
+    assert off.prefix_caching is False
+    for text, size in (
+        ("1048576", 2**20),
+        ("256M", 256 * 2**20),
+        ("1GiB", 2**30),
+        ("64kb", 64 * 2**10),
+        ("0", 0),
+    ):
+        assert _serve("--prefix-cache-bytes", text).embedded.prefix_cache_bytes == size  # type: ignore[attr-defined]
+    # A flag overrides the config file; a setting no flag names is kept.
+    config = tmp_path / "c.toml"
+    config.write_text('[embedded]\nprefix_caching = false\nprefix_cache_scope = "address"\n')
+    both = _serve("--config", str(config), "--prefix-cache-bytes", "1M").embedded  # type: ignore[attr-defined]
+    assert both.prefix_caching is False and both.prefix_cache_bytes == 2**20
+    assert both.prefix_cache_scope == "address"
+    assert both.engine_config().prefix_cache_bytes == 2**20
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "1.5G", "", "²"])
+def test_serve_refuses_a_bad_prefix_cache_size(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--prefix-cache-bytes", value])
+    assert exit_.value.code == 2
+    assert "--prefix-cache-bytes" in capsys.readouterr().err

@@ -79,6 +79,22 @@ def test_a_stream_through_the_core_is_token_for_token_thread_mode(
     assert "specgate" in httpx.get(f"{core.url}/metrics").text
 
 
+def test_the_prefix_salt_reaches_the_core(core: LiveGateway, model_name: str) -> None:
+    """Requests share cached prompt blocks in the child only under the same salt: the salt made it
+    through the socket to Engine.add_request."""
+
+    def cached(salt: str) -> int:
+        body = _body(model_name, max_tokens=2, cache_salt=salt)
+        r = httpx.post(f"{core.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        value: int = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return value
+
+    assert cached("core-a") == 0
+    assert cached("core-a") > 0
+    assert cached("core-b") == 0
+
+
 def test_a_client_that_leaves_aborts_its_request_in_the_core(core: LiveGateway, model_name: str) -> None:
     proc = _process(core)
     before = proc.load.steps
