@@ -8,7 +8,7 @@ unauthenticated can mint a new series or put a string Prometheus cannot encode i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,6 +23,7 @@ _OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 UNKNOWN = "unknown"
 MAX_MODEL_LABELS = 512  # served models beyond this many share the label "other"
+MAX_COUNT = 2**31 - 1  # the most tokens one request may add to a counter
 
 
 class Metrics:
@@ -66,6 +67,20 @@ class Metrics:
             "specgate_route_decisions",
             "Routed requests by workload class, the arm that served them, and the policy that chose it",
             ["workload_class", "arm", "policy", "explored"],
+            registry=r,
+        )
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: hit rate = hits / queried.
+        # Counted only where the backend reports its hits (the embedded engine always does).
+        self.prefix_queried = Counter(
+            "specgate_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in a prefix cache",
+            ["model", "backend"],
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "specgate_prefix_cache_hit_tokens",
+            "Prompt tokens served from a prefix cache",
+            ["model", "backend"],
             registry=r,
         )
         self.draft_tokens = Counter(
@@ -128,14 +143,15 @@ class Metrics:
             self.routes.labels(rec.workload_class, route.arm, route.policy, explored).inc()
         if rec.backend and rec.attempts:
             self.retries.labels(rec.backend).inc(rec.attempts)
+        self._observe_prefix_cache(rec, model, backend)
         if rec.outcome != "ok":
             return
         for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):
             if value is not None:
                 hist.labels(model, backend).observe(value / 1e3)
-        if rec.prompt_tokens:
+        if _is_count(rec.prompt_tokens) and rec.prompt_tokens:
             self.tokens.labels(model, "prompt").inc(rec.prompt_tokens)
-        if rec.completion_tokens:
+        if _is_count(rec.completion_tokens) and rec.completion_tokens:
             self.tokens.labels(model, "completion").inc(rec.completion_tokens)
         spec = rec.spec or {}
         method = spec.get("method")
@@ -144,6 +160,15 @@ class Metrics:
             self.accepted_tokens.labels(model, method).inc(spec.get("num_accepted_tokens") or 0)
             if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
                 self.acceptance_length.labels(model, method).observe(spec["mean_acceptance_length"])
+
+    def _observe_prefix_cache(self, rec: RequestRecord, model: str, backend: str) -> None:
+        """Any outcome counts: the lookup happened when the prompt was scheduled. Only counts a
+        counter can take (an upstream's numbers are checked before they get here, but a negative or
+        non-integer value would make the counter raise and cost the rest of this request's series)."""
+        queried, hits = rec.prompt_tokens, rec.cached_tokens
+        if _is_count(queried) and _is_count(hits):
+            self.prefix_queried.labels(model, backend).inc(queried)
+            self.prefix_hits.labels(model, backend).inc(min(hits, queried))
 
     def refresh_engine(self, waiting: int, running: int, kv_usage: float, kv_blocks: int = 0) -> None:
         self.queue_depth.set(waiting)
@@ -164,6 +189,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 class _WriterCollector(Collector):

@@ -32,6 +32,7 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "error_code": rec.error_code,
         "prompt_tokens": rec.prompt_tokens,
         "completion_tokens": rec.completion_tokens,
+        "cached_tokens": rec.cached_tokens,
         "queue_ms": rec.queue_ms,
         "ttft_ms": rec.ttft_ms,
         "tpot_ms": rec.tpot_ms,

@@ -35,12 +35,21 @@ def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> 
     drafted = func.sum(r.num_draft_tokens)
     mean_tps = func.avg(r.tokens_per_s).label("mean_tokens_per_s")
     spec_only = case((r.num_drafts > 0, r.mean_acceptance_length))
+    # Of the prompt tokens of requests whose backend reports prefix-cache hits, the share it served
+    # from its cache (rows without a report count on neither side).
+    reported_prompt = func.sum(case((r.cached_tokens.is_not(None), r.prompt_tokens)))
+    cached_share = (cast(func.sum(r.cached_tokens), Float) / func.nullif(reported_prompt, 0)).label(
+        "cached_token_share"
+    )
     totals = select(
         func.count().label("requests"),
         func.sum(case((r.outcome == "ok", 1), else_=0)).label("ok"),
         func.sum(case((r.outcome == "error", 1), else_=0)).label("errors"),
         func.sum(case((r.outcome == "cancelled", 1), else_=0)).label("cancelled"),
+        func.sum(r.prompt_tokens).label("prompt_tokens"),
         func.sum(r.completion_tokens).label("completion_tokens"),
+        func.sum(r.cached_tokens).label("cached_tokens"),
+        cached_share,
         func.avg(r.tokens_per_s).label("mean_tokens_per_s"),
         func.avg(r.ttft_ms).label("mean_ttft_ms"),
         func.avg(r.tpot_ms).label("mean_tpot_ms"),
@@ -70,6 +79,7 @@ def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> 
             func.avg(r.ttft_ms).label("mean_ttft_ms"),
             func.avg(r.tpot_ms).label("mean_tpot_ms"),
             func.avg(spec_only).label("mean_acceptance_length"),
+            cached_share,
         )
         .where(ok)
         .group_by(r.backend, method, r.spec_controller)

@@ -53,6 +53,9 @@ requests = Table(
     # Tokens and timing.
     Column("prompt_tokens", Integer),
     Column("completion_tokens", Integer),
+    # Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens); NULL
+    # when the backend does not report it.
+    Column("cached_tokens", Integer),
     Column("queue_ms", Float),
     Column("ttft_ms", Float),
     Column("tpot_ms", Float),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,17 +16,19 @@ import httpx
 import openai
 import pytest
 
+from specgate.gateway.settings import Settings
 from tests.gateway.fake_upstream import (
     HTTP,
     PROMPT_TOKENS,
     FakeUpstream,
     Reply,
     backend,
+    external_settings,
     metric_value,
     openai_client,
     running_gateway,
 )
-from tests.gateway.live import LiveGateway, wait_for
+from tests.gateway.live import LiveGateway, record_of, start_gateway, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -580,3 +583,143 @@ def test_a_half_open_trial_that_ends_oddly_does_not_wedge_the_breaker(
             lambda: chat(live).status_code == 200, timeout=5 * cooldown, interval=cooldown / 3
         )
         assert recovered, f"breaker stuck: {readyz(live)['backends']['up']}"
+
+
+# ---- prefix-cache hits and cache_salt ------------------------------------------------------------
+
+
+def _prefix_counters(live: LiveGateway) -> tuple[float, float]:
+    text = metrics_text(live)
+    labels = {"model": PUBLIC, "backend": "up"}
+    queried = metric_value(text, "specgate_prefix_cache_queried_tokens_total", **labels) or 0.0
+    hits = metric_value(text, "specgate_prefix_cache_hit_tokens_total", **labels) or 0.0
+    return queried, hits
+
+
+def _usage_of(live: LiveGateway, rid: str, stream: bool, kind: str = "chat") -> Any:
+    """The usage the client got (the body's, or the usage chunk's), as raw JSON."""
+    body: dict[str, Any] = {"model": PUBLIC}
+    body.update({"messages": MESSAGES} if kind == "chat" else {"prompt": "Once upon"})
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    headers = {"x-request-id": rid}
+    if not stream:
+        r = HTTP.post(f"{live.url}{path}", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    body.update(stream=True, stream_options={"include_usage": True})
+    r = HTTP.post(f"{live.url}{path}", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    usages = [e["usage"] for e in sse_events(r.text) if isinstance(e, dict) and e.get("usage")]
+    assert len(usages) == 1
+    return usages[0]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_an_upstream_reports_pass_through(shared: Shared, stream: bool, kind: str) -> None:
+    live, fake = shared
+    before = _prefix_counters(live)
+    fake.script(Reply.ok(usage={"prompt_tokens_details": {"cached_tokens": 5, "audio_tokens": 0}}))
+    rid = f"cached-{kind}-{stream}-{uuid.uuid4().hex}"
+    use = _usage_of(live, rid, stream, kind)
+    assert use["prompt_tokens"] == PROMPT_TOKENS
+    assert use["prompt_tokens_details"] == {"cached_tokens": 5, "audio_tokens": 0}  # as sent
+    assert record_of(live, rid).cached_tokens == 5
+    after = _prefix_counters(live)
+    assert (after[0] - before[0], after[1] - before[1]) == (PROMPT_TOKENS, 5)
+
+
+def test_the_openai_client_reads_passed_through_cached_tokens(shared: Shared) -> None:
+    live, fake = shared
+    fake.script(Reply.ok(usage={"prompt_tokens_details": {"cached_tokens": 3}}))
+    resp = openai_client(live).chat.completions.create(model=PUBLIC, messages=MESSAGES)  # type: ignore[arg-type]
+    assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+    assert resp.usage.prompt_tokens_details.cached_tokens == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_are_not_invented_for_an_upstream_that_does_not_report_them(
+    shared: Shared, stream: bool
+) -> None:
+    live, _ = shared
+    before = _prefix_counters(live)
+    rid = f"uncached-{stream}-{uuid.uuid4().hex}"
+    use = _usage_of(live, rid, stream)
+    assert "prompt_tokens_details" not in use
+    assert record_of(live, rid).cached_tokens is None
+    assert _prefix_counters(live) == before  # no report: neither queried nor hit
+
+
+@pytest.mark.parametrize(
+    "details",
+    [
+        {"cached_tokens": -1},
+        {"cached_tokens": PROMPT_TOKENS + 1},  # more than the prompt
+        {"cached_tokens": "5"},
+        {"cached_tokens": True},
+        {"cached_tokens": 5.0},
+        {"cached_tokens": 2**40},
+        {"cached_tokens": {"n": 5}},
+        "five",
+        [5],
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_impossible_cached_tokens_are_dropped_not_fatal(shared: Shared, stream: bool, details: Any) -> None:
+    live, fake = shared
+    before = _prefix_counters(live)
+    fake.script(Reply.ok(usage={"prompt_tokens_details": details}))
+    rid = f"bad-cached-{stream}-{uuid.uuid4().hex}"
+    use = _usage_of(live, rid, stream)
+    assert use["prompt_tokens"] == PROMPT_TOKENS  # the rest of the usage stands
+    left = use.get("prompt_tokens_details")
+    assert left is None or left.get("cached_tokens") is None
+    assert record_of(live, rid).cached_tokens is None
+    assert _prefix_counters(live) == before
+    assert readyz(live)["backends"]["up"]["breaker"] == "closed"  # not the upstream's failure
+
+
+def test_cache_salt_goes_upstream_only_when_sent_and_salted_per_tenant(fake: FakeUpstream) -> None:
+    def sent_salts(live: LiveGateway, *calls: tuple[str, str | None]) -> list[Any]:
+        fake.reset()
+        for key, salt in calls:
+            extra = {"cache_salt": salt} if salt is not None else {}
+            r = HTTP.post(
+                f"{live.url}/v1/chat/completions",
+                json={"model": PUBLIC, "messages": MESSAGES, **extra},
+                headers={"authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
+        return [p.body.get("cache_salt", "absent") for p in fake.posts()]
+
+    with serve(fake, api_key=None) as open_live:
+        salts = sent_salts(open_live, ("x", None), ("x", "team"), ("x", "team"), ("x", "other"))
+    assert salts[0] == "absent"  # never added to a request that did not ask
+    assert salts[1] == salts[2] != salts[3]  # the same salt is the same partition upstream, too
+    assert "team" not in salts[1:] and all(s.startswith("salt:") for s in salts[1:])
+    keyed = external_settings(backend("up", fake, models={PUBLIC: UPSTREAM}), api_keys=["k-alice", "k-bob"])
+    live = start_gateway(keyed, timeout=30)
+    try:
+        alice, bob = sent_salts(live, ("k-alice", "team"), ("k-bob", "team"))
+    finally:
+        live.stop()
+    assert alice != bob  # one salt under two keys: two partitions upstream
+
+
+def test_with_prefix_sharing_off_each_salted_request_is_alone_upstream(fake: FakeUpstream) -> None:
+    settings = Settings(
+        embedded={"enabled": False, "prefix_cache_scope": "off"},
+        backends=[backend("up", fake, models={PUBLIC: UPSTREAM})],
+        port=0,
+        log_requests=False,
+    )
+    live = start_gateway(settings, timeout=30)
+    try:
+        for _ in range(2):
+            r = chat(live, cache_salt="team")
+            assert r.status_code == 200, r.text
+    finally:
+        live.stop()
+    first, second = (p.body["cache_salt"] for p in fake.posts())
+    assert first != second and "team" not in (first, second)

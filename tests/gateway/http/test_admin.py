@@ -210,6 +210,7 @@ def test_edit_retrain_rollback_and_every_row_names_its_version(live: LiveGateway
 def test_stats_and_backends(live: LiveGateway) -> None:
     stats = get(live, "/admin/stats", params={"window": 1}).json()
     assert stats["totals"]["requests"] >= 600
+    assert {"prompt_tokens", "cached_tokens", "cached_token_share"} <= set(stats["totals"])
     classes = {(r["workload_class"], r["spec_method"]) for r in stats["acceptance_by_class"]}
     assert ("code", "ngram") in classes and ("open_chat", "off") in classes
     assert any(r["policy_version"] == "2" for r in stats["by_policy_version"])

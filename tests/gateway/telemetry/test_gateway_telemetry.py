@@ -89,11 +89,37 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
     ok = got["burst-0"]
     assert ok["status"] == 200 and ok["backend"] == "embedded" and ok["completion_tokens"] == 4
     assert ok["spec_method"] == "ngram" and ok["e2e_ms"] > 0
+    assert ok["cached_tokens"] is not None and 0 <= ok["cached_tokens"] <= ok["prompt_tokens"]
     # The request pinned its speculation; the policy still classified it and named its version.
     assert ok["policy"] == "request" and ok["policy_version"] == "1" and ok["workload_class"] is not None
     assert ok["route"]["arm"] == "embedded:ngram" and "load_running" in ok["features"]
     bad = got["burst-3"]
     assert bad["status"] == 400 and bad["outcome"] == "error" and bad["error_code"] == "invalid_value"
+    assert bad["cached_tokens"] is None  # never reached a backend
+
+
+def test_prefix_cache_hits_reach_the_row(sqlite_url: str, tiny_llama_dir: Path) -> None:
+    schema.upgrade(sqlite_url)
+    telemetry = {"url": sqlite_url, "flush_interval": 0.02}
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry, log_requests=False))
+    body = {
+        "model": tiny_llama_dir.name,
+        "messages": [{"role": "user", "content": "Cache me: one two three four five six seven. " * 3}],
+        "max_tokens": 3,
+    }
+    told = []
+    try:
+        for rid in ("cache-row-1", "cache-row-2"):
+            r = httpx.post(
+                f"{live.url}/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            told.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    finally:
+        live.stop()  # flushes every queued row
+    got = rows(sqlite_url)
+    assert [got[rid]["cached_tokens"] for rid in ("cache-row-1", "cache-row-2")] == told
+    assert told[0] == 0 and 0 < told[1] <= got["cache-row-2"]["prompt_tokens"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's exit

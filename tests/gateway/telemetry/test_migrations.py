@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import subprocess
 import sys
 from pathlib import Path
@@ -33,19 +34,54 @@ def _columns(url: str, table: str) -> set[str]:
         engine.dispose()
 
 
+def _insert_request(url: str, **values: object) -> None:
+    """One minimal request row, written with plain SQL (the metadata is at head, the table may not be)."""
+    row = {
+        "request_id": "r-0005",
+        "endpoint": "chat",
+        "model": "m",
+        "stream": False,
+        "received_at": dt.datetime.now(dt.UTC),
+        "status": 200,
+        "outcome": "ok",
+        "cancelled": False,
+        **values,
+    }
+    engine = schema.make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO requests ({', '.join(row)}) VALUES (:{', :'.join(row)})"), row)
+    engine.dispose()
+
+
+def _select(url: str, sql: str) -> list[object]:
+    engine = schema.make_engine(url)
+    with engine.connect() as conn:
+        out = [r[0] for r in conn.execute(text(sql))]
+    engine.dispose()
+    return out
+
+
+def _request_ids(url: str) -> list[object]:
+    return _select(url, "SELECT request_id FROM requests")
+
+
+def _cached_tokens(url: str) -> list[object]:
+    return _select(url, "SELECT cached_tokens FROM requests")
+
+
 def test_one_head() -> None:
     """Revisions form one chain: each new one is chained on the head before it."""
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0004"]
+    assert heads == ["0005"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0004"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0005"
     tables, views = _tables(db_url)
     assert {"requests", "spec_steps", "policy_versions", "telemetry_quarantine", "alembic_version"} <= tables
     assert views == VIEWS
@@ -54,8 +90,16 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0004"
-    # One step down gives the speculation columns their old names back, views included.
+    assert schema.current_revision(engine) == "0005"
+    # One step down removes the cached-token column, nothing else; rows written at 0005 survive it.
+    _insert_request(db_url, cached_tokens=7)
+    schema.downgrade(db_url, "0004")
+    assert "cached_tokens" not in _columns(db_url, "requests") and _tables(db_url)[1] == VIEWS
+    assert _request_ids(db_url) == ["r-0005"]
+    schema.upgrade(db_url)
+    assert "cached_tokens" in _columns(db_url, "requests")
+    assert _cached_tokens(db_url) == [None]  # what the downgrade dropped does not come back
+    # The next gives the speculation columns their old names back, views included.
     schema.downgrade(db_url, "0003")
     columns = _columns(db_url, "requests")
     assert {"num_spec_steps", "num_accepted_draft_tokens", "acceptance_histogram"} <= columns
@@ -76,7 +120,7 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0004"
+    assert schema.current_revision(engine) == "0005"
     engine.dispose()
 
 
@@ -109,7 +153,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0004"
+    assert schema.current_revision(lite) == "0005"
     lite.dispose()
 
 
@@ -117,7 +161,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0004" in out.stdout
+    assert "current: 0005" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -126,4 +170,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0004 (head)" in out.stdout
+    assert "0005 (head)" in out.stdout

@@ -27,7 +27,7 @@ def record(i: int, **kw: object) -> RequestRecord:
     rec.status, rec.backend = 200, "embedded"
     rec.route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
     rec.route.served_by("embedded", external=False)
-    rec.prompt_tokens, rec.completion_tokens = 10, 20
+    rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = 10, 20, 4
     rec.first_token_at = rec.received_at + 0.05
     rec.spec = {
         "method": "ngram",
@@ -75,6 +75,7 @@ def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None
     assert row["spec_method"] == "ngram" and row["spec_controller"] == "goodput" and row["k_max"] == 8
     assert row["num_accepted_tokens"] == 9 and row["num_accepted_tokens_per_pos"] == [5, 3, 1]
     assert row["load_backend_in_flight"] == 2 and row["load_kv_usage"] == 0.25
+    assert row["prompt_tokens"] == 10 and row["cached_tokens"] == 4
     assert row["ttft_ms"] == pytest.approx(50, abs=1) and row["outcome"] == "ok" and not row["cancelled"]
     assert row["received_at"].tzinfo is not None or db_url.startswith("sqlite")
 
