@@ -13,6 +13,7 @@ neither the linear layers nor the decodes pay for padding). Long prefill chunks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,12 +50,103 @@ class BatchedGroup:
 
 
 @dataclass(slots=True)
+class TileGroup:
+    """Deterministic mode: queries in tiles of `tile` rows of one sequence each, over `keys` keys (a
+    bucket fixed by the queries' positions). Every call has one shape per bucket and each query row
+    meets only its own keys, so its result does not depend on the batch (engine/batch_invariant.py)."""
+
+    tile: int
+    rows: torch.Tensor  # [num_tiles * tile] packed row of each tile entry (padding repeats a real row)
+    kv_slots: torch.Tensor  # [num_tiles, keys] slots of each tile's sequence, padded with the trash slot
+    mask: torch.Tensor  # [num_tiles, tile, keys] bool: key s is at or before the entry's position
+    real: torch.Tensor  # [num_real] tile entries that are real rows
+    out_rows: torch.Tensor  # [num_real] the packed row each of them is
+
+    def to(self, device: torch.device) -> TileGroup:
+        return TileGroup(
+            self.tile,
+            self.rows.to(device),
+            self.kv_slots.to(device),
+            self.mask.to(device),
+            self.real.to(device),
+            self.out_rows.to(device),
+        )
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [num_tokens] where each packed token's key/value is stored
     groups: list[BatchedGroup] = field(default_factory=list)
     long_chunks: list[LongChunk] = field(default_factory=list)
     compute_dtype: torch.dtype = torch.float32
+    tiles: list[TileGroup] = field(default_factory=list)  # deterministic mode: all rows are here
+
+
+def tile_groups(
+    rows: list[tuple[int, int, torch.Tensor]], tile: int, bucket_of: Callable[[int], int], trash: int
+) -> list[TileGroup]:
+    """Tile groups for sequences given as (first packed row, first position, [ctx] context slots),
+    each with new tokens at positions first position .. ctx - 1."""
+    by_keys: dict[int, list[tuple[int, list[int], torch.Tensor]]] = {}  # keys -> (row0, positions, slots)
+    for row0, start, slots in rows:
+        ctx = slots.shape[0]
+        positions = list(range(start, ctx))
+        i = 0
+        while i < len(positions):
+            keys = bucket_of(positions[i])
+            j = i
+            while j < len(positions) and j - i < tile and bucket_of(positions[j]) == keys:
+                j += 1
+            by_keys.setdefault(keys, []).append((row0 + i, positions[i:j], slots))
+            i = j
+    groups = []
+    for keys, tiles in by_keys.items():
+        entry_rows: list[int] = []
+        real: list[int] = []
+        out_rows: list[int] = []
+        kv: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        for t, (row, positions, slots) in enumerate(tiles):
+            n = len(positions)
+            padded = positions + [positions[-1]] * (tile - n)
+            entry_rows.extend(row + min(e, n - 1) for e in range(tile))
+            kv_slots = slots[:keys]
+            kv.append(torch.cat([kv_slots, torch.full((keys - kv_slots.shape[0],), trash)]))
+            masks.append(torch.arange(keys).view(1, keys) <= torch.tensor(padded).view(tile, 1))
+            real.extend(range(t * tile, t * tile + n))
+            out_rows.extend(range(row, row + n))
+        groups.append(
+            TileGroup(
+                tile,
+                torch.tensor(entry_rows),
+                torch.stack(kv),
+                torch.stack(masks),
+                torch.tensor(real),
+                torch.tensor(out_rows),
+            )
+        )
+    return groups
+
+
+def _tile_attention(
+    meta: AttentionMetadata, layer: int, g: TileGroup, q: torch.Tensor, kv_heads: int, scale: float
+) -> torch.Tensor:
+    """Attention of one tile group in fixed-shape fp32 batched matmuls; [num_real, heads, head_dim]."""
+    heads, _, d = q.shape
+    nt, keys = g.kv_slots.shape
+    rep, t = heads // kv_heads, g.tile
+    k, v = meta.kv_cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, nt * keys, d]
+    k = k.to(q.dtype).view(kv_heads, nt, keys, d).transpose(0, 1).reshape(nt * kv_heads, keys, d)
+    v = v.to(q.dtype).view(kv_heads, nt, keys, d).transpose(0, 1).reshape(nt * kv_heads, keys, d)
+    qt = q.index_select(1, g.rows).view(kv_heads, rep, nt, t, d)  # heads grouped by their kv head
+    qt = qt.permute(2, 0, 1, 3, 4).reshape(nt * kv_heads, rep * t, d)
+    scores = torch.bmm(qt, k.transpose(1, 2)) * scale  # [nt * kv_heads, rep * t, keys]
+    mask = g.mask.view(nt, 1, 1, t, keys).expand(nt, kv_heads, rep, t, keys).reshape(scores.shape)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    o = torch.bmm(probs, v)  # [nt * kv_heads, rep * t, d]
+    o = o.view(nt, kv_heads, rep, t, d).permute(0, 3, 1, 2, 4).reshape(nt * t, heads, d)
+    return o.index_select(0, g.real)  # [num_real, heads, d]
 
 
 def _sdpa(
@@ -77,6 +169,11 @@ def paged_attention(
     heads, num_tokens, head_dim = query.shape
     # On CPU, fp32 SDPA is several times faster than bf16; on GPU this is the model dtype.
     q = query.to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
+    if meta.tiles:
+        out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
+        for tg in meta.tiles:
+            out[tg.out_rows] = _tile_attention(meta, layer, tg, q, key.shape[0], scale).to(query.dtype)
+        return out
     # A step that is one batched group (plain decoding) returns that group's output as it is.
     whole = len(meta.groups) == 1 and meta.groups[0].num_tokens == num_tokens
     out = query if whole else torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)

@@ -48,6 +48,9 @@ class EngineConfig:
     prefix_caching: bool = True
     # Most memory that cached blocks no sequence uses may hold (None: any free part of the KV pool).
     prefix_cache_bytes: int | None = None
+    # Batch-invariant kernels: a request's greedy output does not depend on its batch mates, the
+    # speculation method or K, or prefix-cache hits (engine/batch_invariant.py).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

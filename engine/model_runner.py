@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk
+from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk, tile_groups
+from specgate.engine.batch_invariant import ATTENTION_TILE, key_bucket
 from specgate.engine.config import EngineConfig
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
@@ -152,6 +153,8 @@ class ModelRunner:
     def _prepare(
         self, items: Sequence[ForwardItem]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[range]]:
+        if self.config.deterministic:
+            return self._prepare_tiled(items)
         decode = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         verify = [i for i, it in enumerate(items) if 1 < len(it.token_ids) <= SHORT_MAX_TOKENS]
         long = [i for i, it in enumerate(items) if len(it.token_ids) > SHORT_MAX_TOKENS]
@@ -201,6 +204,36 @@ class ModelRunner:
             [r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device
         )
         return input_ids, positions, logit_index, meta, token_rows
+
+    def _prepare_tiled(
+        self, items: Sequence[ForwardItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[range]]:
+        """Deterministic mode: items packed in order, every row attended in fixed tiles."""
+        ids: list[int] = []
+        token_rows: list[range] = []
+        logit_index: list[int] = []
+        tiled: list[tuple[int, int, torch.Tensor]] = []
+        for it in items:
+            n, row0 = len(it.token_ids), len(ids)
+            ids.extend(it.token_ids)
+            token_rows.append(range(row0, row0 + n))
+            logit_index.extend(range(row0 + n - it.num_logits, row0 + n))
+            tiled.append((row0, it.start, self._slots(it.block_table, torch.arange(it.start + n))))
+        trash = self.kv_cache.trash_slot
+        meta = AttentionMetadata(
+            self.kv_cache,
+            torch.cat([slots[start:] for _, start, slots in tiled]).to(self.device),
+            compute_dtype=self.compute_dtype,
+            tiles=[g.to(self.device) for g in tile_groups(tiled, ATTENTION_TILE, key_bucket, trash)],
+        )
+        positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
+        return (
+            torch.tensor(ids, dtype=torch.long, device=self.device),  # [num_tokens]
+            positions.to(self.device),  # [num_tokens]
+            torch.tensor(logit_index, dtype=torch.long, device=self.device),
+            meta,
+            token_rows,
+        )
 
     @torch.inference_mode()
     def execute(self, items: Sequence[ForwardItem]) -> torch.Tensor:

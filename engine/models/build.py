@@ -6,6 +6,9 @@ import logging
 from collections import Counter
 from typing import Any
 
+import torch
+
+from specgate.engine.batch_invariant import make_batch_invariant
 from specgate.engine.config import EngineConfig
 from specgate.engine.cpu_linear import pack_linears, packing_supported
 from specgate.engine.loader import ModelSource
@@ -31,14 +34,26 @@ def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_le
     if not compact:
         if config.quantization in ("int8", "int4"):
             raise ValueError(f"quantization {config.quantization} needs the compact decoder (Llama family)")
-        if pack:
+        if pack and not config.deterministic:  # fused packed siblings share one call: not wrappable
             pack_linears(hf_model)
+        _make_invariant(hf_model, config)
         return hf_model, False
     types = None
     if config.quantization == "auto" and source.gguf_file is not None and config.device == "cpu":
         types = gguf_tensor_types(source.directory / source.gguf_file)
     plan = mode_plan(config.quantization if config.device == "cpu" else "none", types)
     model = CompactCausalLM(hf_model, plan, config.torch_dtype, pack, max_len)
+    if _make_invariant(model, config):
+        model.bind_layers()  # the layer loop holds bound forwards of the layers it replaced
     kinds = Counter(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear"))
     logger.info("compact decoder, linear layers: %s", ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     return model, True
+
+
+def _make_invariant(model: Any, config: EngineConfig) -> bool:
+    if not config.deterministic:
+        return False
+    device = torch.device(config.device)
+    tiled = make_batch_invariant(model, config.torch_dtype, device, config.max_num_batched_tokens)
+    logger.info("deterministic mode: %d linear layers called at a fixed row count", tiled)
+    return True

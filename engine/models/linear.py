@@ -41,6 +41,14 @@ class WeightOnlyLinear(nn.Module):
         self.max_rows = max_rows
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
+    @property
+    def in_features(self) -> int:
+        return int(getattr(self.dense, "in_features"))  # noqa: B009 (nn.Module's attribute typing)
+
+    @property
+    def out_features(self) -> int:
+        return int(getattr(self.dense, "out_features"))  # noqa: B009
+
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         raise NotImplementedError
 

@@ -91,11 +91,22 @@ class CompactCausalLM(nn.Module):
             for i, layer in enumerate(decoder.layers)
         ]
         self.layers = nn.ModuleList(layers)
+        self._layers = layers  # typed: ModuleList items are plain nn.Modules to mypy
         self.norm = nn.Parameter(decoder.norm.weight.detach().to(dtype), requires_grad=False)
         head = hf_model.get_output_embeddings()
         self.lm_head = make_linear(head.weight.detach(), head.bias, plan("lm_head.weight"), dtype, pack)
-        # The per-layer operands as plain tuples: the loop below then pays no nn.Module attribute
-        # lookups or __call__ hooks (thousands per step on a 30-layer model).
+        self.bind_layers()
+        cos, sin = _rotary_tables(decoder.rotary_emb, max_len, embed.weight.device)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: one roll instead of slices, neg and cat.
+        half = self.head_dim // 2
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.register_buffer("cos", cos, persistent=False)  # [max_len, head_dim] fp32
+        self.register_buffer("sin", sin_signed, persistent=False)
+
+    def bind_layers(self) -> None:
+        """The per-layer operands as plain tuples: the forward loop then pays no nn.Module attribute
+        lookups or __call__ hooks (thousands per step on a 30-layer model). Call again after
+        replacing a layer's module."""
         self._plan = [
             (
                 layer.qkv.forward,
@@ -106,14 +117,8 @@ class CompactCausalLM(nn.Module):
                 layer.post_norm,
                 layer.intermediate,
             )
-            for layer in layers
+            for layer in self._layers
         ]
-        cos, sin = _rotary_tables(decoder.rotary_emb, max_len, embed.weight.device)
-        # rotate_half(x) * sin == roll(x, half) * sin_signed: one roll instead of slices, neg and cat.
-        half = self.head_dim // 2
-        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self.register_buffer("cos", cos, persistent=False)  # [max_len, head_dim] fp32
-        self.register_buffer("sin", sin_signed, persistent=False)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
