@@ -43,7 +43,8 @@ def run_engine(
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
             i, ids = pending.pop(0)
-            engine.add_request(f"b{concurrency}-{i}-{start}", ids, params)
+            # No prefix-cache sharing: rows reuse prompts, and a hit would skip their prefill.
+            engine.add_request(f"b{concurrency}-{i}-{start}", ids, params, prefix_salt=None)
             in_flight += 1
         for out in engine.step():
             tokens += len(out.new_token_ids)

@@ -58,7 +58,7 @@ class TileGroup:
     tile: int
     rows: torch.Tensor  # [num_tiles * tile] packed row of each tile entry (padding repeats a real row)
     kv_slots: torch.Tensor  # [num_tiles, keys] slots of each tile's sequence, padded with the trash slot
-    mask: torch.Tensor  # [num_tiles, tile, keys] bool: key s is at or before the entry's position
+    bias: torch.Tensor  # [num_tiles, tile, keys]: 0 for keys at or before the entry's position, else -inf
     real: torch.Tensor  # [num_real] tile entries that are real rows
     out_rows: torch.Tensor  # [num_real] the packed row each of them is
 
@@ -67,7 +67,7 @@ class TileGroup:
             self.tile,
             self.rows.to(device),
             self.kv_slots.to(device),
-            self.mask.to(device),
+            self.bias.to(device),
             self.real.to(device),
             self.out_rows.to(device),
         )
@@ -113,7 +113,8 @@ def tile_groups(
             entry_rows.extend(row + min(e, n - 1) for e in range(tile))
             kv_slots = slots[:keys]
             kv.append(torch.cat([kv_slots, torch.full((keys - kv_slots.shape[0],), trash)]))
-            masks.append(torch.arange(keys).view(1, keys) <= torch.tensor(padded).view(tile, 1))
+            seen = torch.arange(keys).view(1, keys) <= torch.tensor(padded).view(tile, 1)  # [tile, keys]
+            masks.append(torch.zeros(tile, keys).masked_fill_(~seen, float("-inf")))
             real.extend(range(t * tile, t * tile + n))
             out_rows.extend(range(row, row + n))
         groups.append(
@@ -137,15 +138,15 @@ def _tile_attention(
     nt, keys = g.kv_slots.shape
     rep, t = heads // kv_heads, g.tile
     k, v = meta.kv_cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, nt * keys, d]
-    k = k.to(q.dtype).view(kv_heads, nt, keys, d).transpose(0, 1).reshape(nt * kv_heads, keys, d)
-    v = v.to(q.dtype).view(kv_heads, nt, keys, d).transpose(0, 1).reshape(nt * kv_heads, keys, d)
+    k = k.to(q.dtype).view(kv_heads, nt, keys, d)  # batched by (kv head, tile) without a copy
+    v = v.to(q.dtype).view(kv_heads, nt, keys, d)
     qt = q.index_select(1, g.rows).view(kv_heads, rep, nt, t, d)  # heads grouped by their kv head
-    qt = qt.permute(2, 0, 1, 3, 4).reshape(nt * kv_heads, rep * t, d)
-    scores = torch.bmm(qt, k.transpose(1, 2)) * scale  # [nt * kv_heads, rep * t, keys]
-    mask = g.mask.view(nt, 1, 1, t, keys).expand(nt, kv_heads, rep, t, keys).reshape(scores.shape)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    o = torch.bmm(probs, v)  # [nt * kv_heads, rep * t, d]
-    o = o.view(nt, kv_heads, rep, t, d).permute(0, 3, 1, 2, 4).reshape(nt * t, heads, d)
+    qt = qt.transpose(1, 2).reshape(kv_heads, nt, rep * t, d)
+    scores = torch.matmul(qt, k.transpose(-1, -2)).view(kv_heads, nt, rep, t, keys)
+    scores = scores * scale + g.bias.unsqueeze(1)  # bias [nt, t, keys]: 0 or -inf
+    probs = torch.softmax(scores, dim=-1).view(kv_heads, nt, rep * t, keys)
+    o = torch.matmul(probs, v).view(kv_heads, nt, rep, t, d)  # [kv_heads, nt, rep, t, d]
+    o = o.permute(1, 3, 0, 2, 4).reshape(nt * t, heads, d)
     return o.index_select(0, g.real)  # [num_real, heads, d]
 
 

@@ -70,6 +70,9 @@ class EmbeddedSettings(BaseModel):
     # tells one tenant what another's prompts start with. Same values as draft_cache_scope; a
     # request's `cache_salt` partitions its scope further, never reaching beyond it.
     prefix_cache_scope: Literal["tenant", "address", "global", "off"] = "tenant"
+    # Batch-invariant kernels: a temperature-0 answer does not depend on the batch it ran in, the
+    # speculation method or K, or a prefix-cache hit (engine/batch_invariant.py; README has its cost).
+    deterministic: bool = False
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -129,6 +129,7 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "model_impl": args.model_impl,
             "prefix_caching": args.prefix_caching,
             "prefix_cache_bytes": args.prefix_cache_bytes,
+            "deterministic": args.deterministic,
         }.items()
         if v is not None
     }
@@ -269,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bytes_arg,
         default=None,
         help="most memory cached prompt blocks no request uses may keep (default: any free KV memory)",
+    )
+    serve.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="embedded engine: batch-invariant kernels, so a greedy answer does not depend on its batch "
+        "mates, speculation or prefix-cache hits",
     )
     serve.add_argument(
         "--engine-thread",

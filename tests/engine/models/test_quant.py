@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgate.engine.models.linear import MAX_KERNEL_ROWS, Int4Linear, Int8Linear, make_linear
+from specgate.engine.models.linear import MAX_KERNEL_ROWS, Int4Linear, Int8Linear, kernel_rows, make_linear
 from specgate.engine.models.quant import (
     dequantize_int4,
     dequantize_int8,
@@ -101,3 +101,12 @@ def test_make_linear_keeps_the_layer_close_to_dense(mode: str) -> None:
     assert (layer(x) - expected).abs().max() / expected.abs().max() < bound
     with pytest.raises(ValueError, match="unknown linear mode"):
         make_linear(w, None, "int2", torch.float32, pack=False)
+
+
+def test_the_dense_copy_serves_many_rows_only_where_dense_gemms_are_fast() -> None:
+    assert kernel_rows(torch.float32, pack=False) == MAX_KERNEL_ROWS
+    assert kernel_rows(torch.bfloat16, pack=True) == MAX_KERNEL_ROWS
+    # bf16 without oneDNN is emulated: the kernel serves every row count.
+    assert kernel_rows(torch.bfloat16, pack=False) > 10**9
+    layer = Int4Linear(torch.randn(64, 128) * 0.05, None, torch.bfloat16, False)
+    assert layer.max_rows > 10**9

@@ -155,3 +155,13 @@ def test_serve_refuses_a_bad_prefix_cache_size(value: str, capsys: pytest.Captur
         build_parser().parse_args(["serve", "--prefix-cache-bytes", value])
     assert exit_.value.code == 2
     assert "--prefix-cache-bytes" in capsys.readouterr().err
+
+
+def test_serve_deterministic_flag(tmp_path: Path) -> None:
+    assert _serve().embedded.deterministic is False  # type: ignore[attr-defined]
+    assert _serve("--deterministic").embedded.engine_config().deterministic is True  # type: ignore[attr-defined]
+    config = tmp_path / "c.toml"
+    config.write_text("[embedded]\ndeterministic = true\n")
+    assert _serve("--config", str(config)).embedded.deterministic is True  # type: ignore[attr-defined]
+    off = _serve("--config", str(config), "--no-deterministic").embedded  # type: ignore[attr-defined]
+    assert off.deterministic is False
