@@ -1,12 +1,13 @@
 """Prefix caching on vs off: TTFT of the turns that resend a prefix, on the default model, one run.
 
-    python bench/bench_prefix_cache.py [--conversations 12] [--questions 12] [--max-tokens 64]
-                                       [--dtype bfloat16] [--deterministic]
+    python bench/bench_prefix_cache.py [--conversations 12] [--questions 12] [--answer-tokens 192]
+                                       [--max-tokens 32] [--dtype bfloat16] [--deterministic]
 
 Two engines on the same model, one with prefix caching and one without, take the same requests
 one at a time, interleaved (conversation by conversation), so machine noise hits both alike:
-- multi-turn: MT-bench's two-turn conversations (Spec-Bench's copy in bench/data): the second turn
-  resends the first question and the model's own answer, as a chat client does;
+- multi-turn: MT-bench's two-turn conversations (Spec-Bench's copy in bench/data): the first answer
+  is up to --answer-tokens long, and the second turn resends the first question and that answer, as
+  a chat client does;
 - a shared system prompt: a long tool catalogue (BFCL function schemas) before short questions
   (Spec-Bench QA), as an agent or RAG template does.
 The table gives TTFT p50 of the later turns / questions with and without the cache, their ratio,
@@ -73,7 +74,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--questions", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--answer-tokens", type=int, default=192, help="length of the first turn's answers")
+    ap.add_argument("--max-tokens", type=int, default=32, help="length of the measured answers")
     ap.add_argument("--system-chars", type=int, default=4000, help="length of the shared system prompt")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--deterministic", action="store_true")
@@ -106,7 +108,7 @@ def main() -> None:
     def record(scenario: str, prompts: dict[str, list[int]], later: bool) -> dict[str, list[int]]:
         outs = {}
         for name, e in engines.items():
-            out, t, c = generate(e, prompts[name], args.max_tokens)
+            out, t, c = generate(e, prompts[name], args.max_tokens if later else args.answer_tokens)
             outs[name] = out
             if later:
                 ttft.setdefault((scenario, name), []).append(t)
@@ -140,7 +142,8 @@ def main() -> None:
 
     print(
         f"default model, {args.dtype}, deterministic {'on' if args.deterministic else 'off'}, "
-        f"{args.threads} threads, {args.max_tokens} tokens per answer\n"
+        f"{args.threads} threads, first answers up to {args.answer_tokens} tokens, "
+        f"measured answers {args.max_tokens} tokens\n"
     )
     print(
         "| scenario | later requests | TTFT p50 off (ms) | TTFT p50 on (ms) | off / on | "

@@ -130,3 +130,18 @@ def test_speculation_after_a_hit_is_token_identical(
     # come from the runner's feature pool (without them the head cannot draft at all).
     assert stats.spec is not None and stats.spec.num_draft_tokens > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_an_aborted_request_leaves_only_its_computed_blocks_cached(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(max_num_batched_tokens=12)  # the prompt is prefilled 12 tokens a step
+    reference = make_engine(prefix_caching=False)
+    prompt = prompts([40], seed=8)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=5, **GREEDY))
+    engine.step()
+    engine.step()  # 24 prompt tokens computed: 6 full blocks
+    assert engine.abort("a")
+    run_to_completion(engine)
+    assert engine.block_manager.num_used_blocks == 0
+    got, cached = generate(engine, "b", prompt, 8)
+    assert cached == 24
+    assert got == generate(reference, "b", prompt, 8)[0]
