@@ -132,7 +132,9 @@ def test_speculation_after_a_hit_is_token_identical(
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_an_aborted_request_leaves_only_its_computed_blocks_cached(make_engine: Callable[..., Engine]) -> None:
+def test_an_aborted_request_leaves_only_its_computed_blocks_cached(
+    make_engine: Callable[..., Engine],
+) -> None:
     engine = make_engine(max_num_batched_tokens=12)  # the prompt is prefilled 12 tokens a step
     reference = make_engine(prefix_caching=False)
     prompt = prompts([40], seed=8)[0]
