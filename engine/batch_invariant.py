@@ -93,23 +93,28 @@ class InvariantLinear(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def make_batch_invariant(model: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> int:
-    """Make every linear layer of `model` row-invariant (see the module docstring), probing each kind
-    of layer once; returns how many layers had to be tiled."""
-    from specgate.engine.cpu_linear import PackedLinear
-    from specgate.engine.models.linear import WeightOnlyLinear
-
+def make_batch_invariant(
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: int,
+    linear_types: tuple[type[nn.Module], ...],
+    weight_only: type[nn.Module],
+) -> int:
+    """Make every linear layer of `model` (instances of `linear_types`) row-invariant (see the module
+    docstring), probing each kind of layer once; `weight_only` layers are switched to their kernel
+    for every row count. Returns how many layers had to be tiled."""
     tiles: dict[tuple[str, int, int], int] = {}
     wrapped = 0
-    weight_only = [name for name, m in model.named_modules() if isinstance(m, WeightOnlyLinear)]
+    quantized = [name for name, m in model.named_modules() if isinstance(m, weight_only)]
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, PackedLinear, WeightOnlyLinear)):
+        if not isinstance(module, linear_types):
             continue
-        if any(name.startswith(f"{w}.") for w in weight_only):
+        if any(name.startswith(f"{w}.") for w in quantized):
             continue  # the dense copy inside a weight-only layer, which no longer runs
-        if isinstance(module, WeightOnlyLinear):
-            module.max_rows = sys.maxsize  # one kernel for every row count
-        in_f, out_f = int(module.in_features), int(module.out_features)
+        if isinstance(module, weight_only):
+            setattr(module, "max_rows", sys.maxsize)  # noqa: B010 (one kernel for every row count)
+        in_f, out_f = int(getattr(module, "in_features")), int(getattr(module, "out_features"))  # noqa: B009
         key = (type(module).__name__, in_f, out_f)
         if key not in tiles:
             tiles[key] = probe_tile(module, in_f, dtype, device, rows)

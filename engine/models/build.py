@@ -7,11 +7,13 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch import nn
 
 from specgate.engine.batch_invariant import make_batch_invariant
 from specgate.engine.config import EngineConfig
-from specgate.engine.cpu_linear import pack_linears, packing_supported
+from specgate.engine.cpu_linear import PackedLinear, pack_linears, packing_supported
 from specgate.engine.loader import ModelSource
+from specgate.engine.models.linear import WeightOnlyLinear
 from specgate.engine.models.llama import CompactCausalLM, compact_supported
 from specgate.engine.models.plan import gguf_tensor_types, mode_plan
 
@@ -54,6 +56,8 @@ def _make_invariant(model: Any, config: EngineConfig) -> bool:
     if not config.deterministic:
         return False
     device = torch.device(config.device)
-    tiled = make_batch_invariant(model, config.torch_dtype, device, config.max_num_batched_tokens)
+    linears = (nn.Linear, PackedLinear, WeightOnlyLinear)
+    rows = config.max_num_batched_tokens
+    tiled = make_batch_invariant(model, config.torch_dtype, device, rows, linears, WeightOnlyLinear)
     logger.info("deterministic mode: %d linear layers called at a fixed row count", tiled)
     return True
