@@ -81,6 +81,9 @@ class AttentionMetadata:
     long_chunks: list[LongChunk] = field(default_factory=list)
     compute_dtype: torch.dtype = torch.float32
     tiles: list[TileGroup] = field(default_factory=list)  # deterministic mode: all rows are here
+    # Run the tiles' matmuls on one thread: where a probe found this machine's threaded matmuls
+    # rounding a row differently with the number of tiles (engine/batch_invariant.py).
+    serial_tiles: bool = False
 
 
 def tile_groups(
@@ -172,8 +175,15 @@ def paged_attention(
     q = query.to(meta.compute_dtype)  # [heads, num_tokens, head_dim]
     if meta.tiles:
         out = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
-        for tg in meta.tiles:
-            out[tg.out_rows] = _tile_attention(meta, layer, tg, q, key.shape[0], scale).to(query.dtype)
+        threads = torch.get_num_threads()
+        if meta.serial_tiles:
+            torch.set_num_threads(1)
+        try:
+            for tg in meta.tiles:
+                out[tg.out_rows] = _tile_attention(meta, layer, tg, q, key.shape[0], scale).to(query.dtype)
+        finally:
+            if meta.serial_tiles:
+                torch.set_num_threads(threads)
         return out
     # A step that is one batched group (plain decoding) returns that group's output as it is.
     whole = len(meta.groups) == 1 and meta.groups[0].num_tokens == num_tokens

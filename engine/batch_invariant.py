@@ -129,3 +129,44 @@ def make_batch_invariant(
 
 def _describe(tile: int) -> str:
     return "invariant as it is" if tile == 0 else f"called {tile} row(s) at a time"
+
+
+def tile_attention_invariant(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, serial: bool
+) -> bool:
+    """Whether tile attention gives each query row the same bits alone, among many tiles and key
+    buckets, and next to another sequence's rows, with this machine's matmuls (`serial`: on one
+    thread)."""
+    from specgate.engine.attention import AttentionMetadata, _tile_attention, tile_groups
+    from specgate.engine.kv_cache import KVCache
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ctx = 3 * KEY_BUCKET + 7  # rows in four key buckets
+    cache = KVCache(1, kv_heads, head_dim, ctx // 16 + 2, 16, dtype, str(device))
+    keys = torch.randn(2, kv_heads, ctx, head_dim, generator=g).to(device=device, dtype=dtype)
+    cache.write(0, torch.arange(ctx, device=device), keys[0], keys[1])
+    q = torch.randn(heads, 40, head_dim, generator=g).to(device=device, dtype=dtype)
+    slots = torch.arange(ctx)
+    start = ctx - 37  # 37 rows of one sequence after 3 rows of another (over the first 43 slots)
+
+    def attend(rows: list[tuple[int, int, torch.Tensor]], queries: torch.Tensor) -> torch.Tensor:
+        groups = [t.to(device) for t in tile_groups(rows, ATTENTION_TILE, key_bucket, cache.trash_slot)]
+        meta = AttentionMetadata(cache, torch.empty(0), tiles=groups, serial_tiles=serial)
+        out = torch.empty(queries.shape[1], heads, head_dim, dtype=dtype, device=device)
+        threads = torch.get_num_threads()
+        if serial:
+            torch.set_num_threads(1)
+        try:
+            for t in groups:
+                out[t.out_rows] = _tile_attention(meta, 0, t, queries, kv_heads, head_dim**-0.5)
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    with torch.inference_mode():
+        together = attend([(0, 40, slots[:43]), (3, start, slots)], q)[3:]
+        for i in (0, 1, 5, 17, 36):
+            alone = attend([(0, start + i, slots[: start + i + 1])], q[:, 3 + i : 4 + i])
+            if not torch.equal(alone[0], together[i]):
+                return False
+    return True

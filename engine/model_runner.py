@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk, tile_groups
-from specgate.engine.batch_invariant import ATTENTION_TILE, key_bucket
+from specgate.engine.batch_invariant import ATTENTION_TILE, key_bucket, tile_attention_invariant
 from specgate.engine.config import EngineConfig
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
@@ -70,6 +70,16 @@ class ModelRunner:
         if self.compact and torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.hidden_size = int(text_config.hidden_size)
+        self.serial_tiles = False
+        if config.deterministic:
+            args = (heads, kv_heads, head_dim, self.compute_dtype, self.device)
+            if not tile_attention_invariant(*args, serial=False):
+                self.serial_tiles = True
+                if not tile_attention_invariant(*args, serial=True):
+                    raise RuntimeError(
+                        "deterministic mode: this machine's attention matmuls are not batch-invariant"
+                    )
+                logger.warning("deterministic mode: attention matmuls run on one thread on this machine")
         # The final norm's output is the feature a feature-level drafter (EAGLE) reads; a hook keeps a
         # reference to it on the forward passes that ask (no copy, no cost otherwise).
         self._capture = False
@@ -224,6 +234,7 @@ class ModelRunner:
             self.kv_cache,
             torch.cat([slots[start:] for _, start, slots in tiled]).to(self.device),
             compute_dtype=self.compute_dtype,
+            serial_tiles=self.serial_tiles,
             tiles=[g.to(self.device) for g in tile_groups(tiled, ATTENTION_TILE, key_bucket, trash)],
         )
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])

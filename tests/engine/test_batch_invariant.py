@@ -17,6 +17,7 @@ from specgate.engine.batch_invariant import (
     InvariantLinear,
     key_bucket,
     probe_tile,
+    tile_attention_invariant,
 )
 from specgate.engine.engine import Engine
 from specgate.engine.kv_cache import KVCache
@@ -103,6 +104,14 @@ def test_tile_attention_is_causal_attention_and_ignores_batch_mates() -> None:
     other = torch.randn(heads, 3, 8)
     mixed = _tiled(cache, torch.cat([other, q], 1), [(0, 40, slots[:43]), (3, start, slots)])
     assert torch.equal(mixed[3:], out)
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_the_start_up_probe_passes_tile_attention_on_this_machine(serial: bool) -> None:
+    # The engine probes this at start-up and falls back to one thread (then refuses to start) if it
+    # fails; the model dimensions of the default model and of the tiny test models.
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 2, 16)):
+        assert tile_attention_invariant(heads, kv_heads, head_dim, torch.float32, torch.device("cpu"), serial)
 
 
 def test_key_buckets_depend_on_the_position_only() -> None:
