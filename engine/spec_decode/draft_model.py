@@ -55,6 +55,7 @@ class DraftModelProposer:
             device=str(ctx.device),
             kv_cache_bytes=int(opts.get("kv_cache_bytes", 128 * 2**20)),
             convert_cache_dir=opts.get("convert_cache_dir"),
+            prefix_caching=False,  # the draft keeps its own per-request KV: no feature pool for it
         )
         self.runner = ModelRunner(config)
         if self.runner.tokenizer.get_vocab() != ctx.tokenizer.get_vocab():
