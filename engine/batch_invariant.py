@@ -137,7 +137,7 @@ def tile_attention_invariant(
     """Whether tile attention gives each query row the same bits alone, among many tiles and key
     buckets, and next to another sequence's rows, with this machine's matmuls (`serial`: on one
     thread)."""
-    from specgate.engine.attention import AttentionMetadata, _tile_attention, tile_groups
+    from specgate.engine.attention import AttentionMetadata, paged_attention, tile_groups
     from specgate.engine.kv_cache import KVCache
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -149,19 +149,13 @@ def tile_attention_invariant(
     slots = torch.arange(ctx)
     start = ctx - 37  # 37 rows of one sequence after 3 rows of another (over the first 43 slots)
 
+    no_kv = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)  # nothing new to store
+
     def attend(rows: list[tuple[int, int, torch.Tensor]], queries: torch.Tensor) -> torch.Tensor:
         groups = [t.to(device) for t in tile_groups(rows, ATTENTION_TILE, key_bucket, cache.trash_slot)]
-        meta = AttentionMetadata(cache, torch.empty(0), tiles=groups, serial_tiles=serial)
-        out = torch.empty(queries.shape[1], heads, head_dim, dtype=dtype, device=device)
-        threads = torch.get_num_threads()
-        if serial:
-            torch.set_num_threads(1)
-        try:
-            for t in groups:
-                out[t.out_rows] = _tile_attention(meta, 0, t, queries, kv_heads, head_dim**-0.5)
-        finally:
-            torch.set_num_threads(threads)
-        return out
+        no_slots = torch.empty(0, dtype=torch.long, device=device)
+        meta = AttentionMetadata(cache, no_slots, tiles=groups, serial_tiles=serial)
+        return paged_attention(meta, 0, queries, no_kv, no_kv, head_dim**-0.5)
 
     with torch.inference_mode():
         together = attend([(0, 40, slots[:43]), (3, start, slots)], q)[3:]

@@ -100,8 +100,7 @@ class Scheduler:
             if need + bm.num_reclaimed(hits) + reserve > bm.num_free_blocks:
                 break  # first come, first served: later arrivals do not overtake a blocked one
             self.waiting.popleft()
-            if not seq.block_table:
-                bm.acquire(seq, hits)
+            bm.acquire(seq, hits)
             if hits:
                 self.hits.append(seq)
                 if not seq.stats.num_preemptions:

@@ -43,12 +43,10 @@ class WeightOnlyLinear(nn.Module):
 
     bias: torch.Tensor | None
 
-    def __init__(
-        self, dense: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int
-    ) -> None:
+    def __init__(self, dense: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool) -> None:
         super().__init__()
         self.dense = dense  # the dequantized weight, bias included
-        self.max_rows = max_rows
+        self.max_rows = kernel_rows(dtype, pack)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     @property
@@ -81,7 +79,7 @@ class Int8Linear(WeightOnlyLinear):
         self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool
     ) -> None:
         w = quantize_int8(weight)
-        super().__init__(_dense(dequantize_int8(w), bias, dtype, pack), bias, dtype, kernel_rows(dtype, pack))
+        super().__init__(_dense(dequantize_int8(w), bias, dtype, pack), bias, dtype, pack)
         self.register_buffer("q", w.q)  # [out, in] int8
         self.register_buffer("scale", w.scale.to(dtype))  # [out]
 
@@ -97,7 +95,7 @@ class Int4Linear(WeightOnlyLinear):
         self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool
     ) -> None:
         w = quantize_int4(weight)
-        super().__init__(_dense(dequantize_int4(w), bias, dtype, pack), bias, dtype, kernel_rows(dtype, pack))
+        super().__init__(_dense(dequantize_int4(w), bias, dtype, pack), bias, dtype, pack)
         self.group = w.group
         packed, scales_and_zeros = int4_kernel_operands(w, dtype)
         self.register_buffer("packed", packed)
