@@ -173,6 +173,22 @@ class PolicySettings(BaseModel):
     seed: int | None = None  # exploration randomness; set for reproducible benchmarks
 
 
+class UISettings(BaseModel):
+    """The operator dashboard at /admin/ui (needs `admin_key`; signed in by a session cookie)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    # A session lasts this long, then the operator signs in again (seconds; default 8 hours).
+    session_ttl: float = Field(8 * 3600.0, ge=60.0, le=30 * 86400.0)
+    # Failed sign-ins per client address before further attempts are refused for `signin_lockout`
+    # seconds (every key, the right one included, so a guesser cannot tell when it hit).
+    max_failed_signins: int = Field(5, ge=1, le=1000)
+    signin_lockout: float = Field(900.0, ge=1.0, le=86400.0)
+    # The cookie's Secure flag: "auto" sets it when the request came over HTTPS (directly, or as
+    # uvicorn's proxy headers report it), "always" behind a TLS-terminating proxy that does not say.
+    secure_cookie: Literal["auto", "always", "never"] = "auto"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -198,6 +214,7 @@ class Settings(BaseSettings):
     routes: dict[str, ModelRoute] = Field(default_factory=dict)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    ui: UISettings = Field(default_factory=UISettings)
     log_requests: bool = True
 
     @classmethod

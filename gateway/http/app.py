@@ -12,8 +12,20 @@ from specgate.gateway.http import openapi
 from specgate.gateway.http.errors import install_error_handlers
 from specgate.gateway.http.middleware import GatewayMiddleware
 from specgate.gateway.http.responses import SafeJSONResponse
-from specgate.gateway.http.routes import admin_ops, admin_policy, health, inference, models
+from specgate.gateway.http.routes import (
+    admin_ops,
+    admin_policy,
+    admin_policy_diff,
+    admin_timeseries,
+    admin_ui,
+    admin_ui_session,
+    health,
+    inference,
+    models,
+)
+from specgate.gateway.http.ui.dashboard_auth import DashboardAuth
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
+from specgate.gateway.protocol.dashboard_schemas import SignIn
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.services import Services
 from specgate.gateway.settings import Settings
@@ -45,9 +57,13 @@ def create_app(
         default_response_class=SafeJSONResponse,
     )
     install_error_handlers(app)
-    for module in (inference, models, health, admin_policy, admin_ops):
+    # The dashboard's session signer and sign-in guard (None without an admin key).
+    app.state.dashboard = DashboardAuth.build(settings)
+    # admin_policy_diff before admin_policy: /admin/policy/diff is a path of its own.
+    routers = (inference, models, health, admin_policy_diff, admin_policy, admin_ops, admin_timeseries)
+    for module in (*routers, admin_ui_session, admin_ui):
         app.include_router(module.router)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest])
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn])
     app.add_middleware(
         GatewayMiddleware, max_body_bytes=settings.max_body_bytes, trusted_proxies=settings.trusted_proxies
     )

@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from specgate.gateway.http.auth import bearer_token, check_key, key_id, unauthorized
+from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.services import Services
 
@@ -54,6 +55,10 @@ async def admin_key(request: Request, svc: ServicesDep) -> None:
         )
     token = bearer_token(request)
     if token is None:
+        # The dashboard's browser: a signed session cookie (and, for actions, its CSRF header).
+        dashboard = dashboard_auth(request)
+        if dashboard is not None and dashboard.authorize(request) is not None:
+            return
         raise unauthorized("The admin API needs the admin key as 'Authorization: Bearer <key>'.")
     if check_key(token, [key.get_secret_value()]):
         return

@@ -14,6 +14,7 @@ from specgate.gateway.http.openapi import json_body
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from specgate.gateway.routing.policy_router import PolicyRouter
+from specgate.gateway.services import Services
 from specgate.gateway.telemetry.stats import window_stats
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -53,10 +54,17 @@ async def backends(svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
     status = svc.registry.status()
     return {
         "backends": [
-            {"name": name, **info, "policy_load": _backend_load(load, name)} for name, info in status.items()
+            {"name": name, "models": _models(svc, name), **info, "policy_load": _backend_load(load, name)}
+            for name, info in status.items()
         ],
         "engine_load": load.features(),
     }
+
+
+def _models(svc: Services, name: str) -> list[str]:
+    """The models a backend serves (an external backend's status lists them too, and wins)."""
+    backend = svc.registry.get(name)
+    return [] if backend is None else list(backend.model_ids())
 
 
 def _backend_load(load: Any, name: str) -> dict[str, Any] | None:
