@@ -31,6 +31,7 @@ class LongChunk:
     end: int
     kv_slots: torch.Tensor  # [S] slots of the context, chunk included
     mask: torch.Tensor  # [T, S] bool, True where query t may attend key s
+    kv_start: int | None = None  # the slots are kv_start .. kv_start + S - 1: read a view, no gather
 
 
 @dataclass(slots=True)
@@ -47,6 +48,9 @@ class BatchedGroup:
     mask: torch.Tensor | None  # [b, 1, t, S]; None: every query attends to its whole row
     q_index: torch.Tensor | None = None  # [b * t] packed row of each padded query (ragged groups)
     out_index: torch.Tensor | None = None  # [num_tokens] padded position of each real row
+    # One sequence whose context slots are kv_start .. kv_start + S - 1 (consecutive blocks, the usual
+    # case at batch 1): attention reads a view of the pool instead of gathering a copy every layer.
+    kv_start: int | None = None
 
 
 @dataclass(slots=True)
@@ -189,10 +193,14 @@ def paged_attention(
     whole = len(meta.groups) == 1 and meta.groups[0].num_tokens == num_tokens
     out = query if whole else torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     for g in meta.groups:
-        k, v = cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, b * S, head_dim]
         s = g.kv_slots.shape[1]
-        k = k.view(-1, g.b, s, head_dim).transpose(0, 1)  # [b, kv_heads, S, head_dim]
-        v = v.view(-1, g.b, s, head_dim).transpose(0, 1)
+        if g.kv_start is not None:
+            k, v = cache.window(layer, g.kv_start, s)  # [kv_heads, S, head_dim], views of the pool
+            k, v = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, S, head_dim]
+        else:
+            k, v = cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, b * S, head_dim]
+            k = k.view(-1, g.b, s, head_dim).transpose(0, 1)  # [b, kv_heads, S, head_dim]
+            v = v.view(-1, g.b, s, head_dim).transpose(0, 1)
         rows = q[:, g.start : g.start + g.num_tokens]  # [heads, num_tokens, head_dim]
         if g.q_index is not None:
             rows = q.index_select(1, g.q_index)  # [heads, b * t, head_dim]
@@ -205,7 +213,10 @@ def paged_attention(
             return o.to(query.dtype)
         out[g.start : g.start + g.num_tokens] = o
     for chunk in meta.long_chunks:
-        k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
+        if chunk.kv_start is not None:
+            k, v = cache.window(layer, chunk.kv_start, chunk.kv_slots.shape[0])  # [kv_heads, S, head_dim]
+        else:
+            k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
         qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]
         o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)

@@ -43,3 +43,8 @@ class KVCache:
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values at `slots` ([S]) as [kv_heads, S, head_dim]."""
         return self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
+
+    def window(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values at slots start .. start + length - 1 as [kv_heads, length, head_dim] views."""
+        end = start + length
+        return self.k[layer, :, start:end], self.v[layer, :, start:end]

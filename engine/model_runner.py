@@ -130,6 +130,16 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[positions // bs] * bs + positions % bs
 
+    def _run_start(self, block_table: Sequence[int], num_tokens: int) -> int | None:
+        """The first slot of a context of `num_tokens` positions whose blocks are consecutive in the
+        pool (then its slots are one range and attention can read a view); None otherwise."""
+        bs = self.kv_cache.block_size
+        first = block_table[0]
+        for j in range(1, (num_tokens + bs - 1) // bs):
+            if block_table[j] != first + j:
+                return None
+        return int(first) * bs
+
     def _batched_group(
         self, items: Sequence[ForwardItem], ctx_slots: Sequence[torch.Tensor], first_row: int, num_tokens: int
     ) -> BatchedGroup:
@@ -149,6 +159,8 @@ class ModelRunner:
             q_index_rows.append(torch.arange(row, row + t).clamp_(max=row + n - 1))
             row += n
         group = BatchedGroup(first_row, num_tokens, b, t, torch.stack(kv_rows).to(self.device), None)
+        if b == 1:
+            group.kv_start = self._run_start(items[0].block_table, s)
         if b > 1 or t > 1:
             q_pos = torch.stack(q_pos_rows)  # [b, t]
             mask = torch.arange(s).view(1, 1, s) <= q_pos.unsqueeze(-1)  # [b, t, s]
@@ -204,7 +216,13 @@ class ModelRunner:
             slot_parts.append(slots[it.start :])  # the new tokens' own slots
             mask = torch.arange(ctx).view(1, ctx) <= q_pos.view(n, 1)  # [n, ctx]
             meta.long_chunks.append(
-                LongChunk(start_tok, start_tok + n, slots.to(self.device), mask.to(self.device))
+                LongChunk(
+                    start_tok,
+                    start_tok + n,
+                    slots.to(self.device),
+                    mask.to(self.device),
+                    self._run_start(it.block_table, ctx),
+                )
             )
             logit_rows[i] = range(start_tok + n - it.num_logits, start_tok + n)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)

@@ -137,19 +137,21 @@ class CompactCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [num_logits, vocab] and, if asked, the final-norm hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        dtype = x.dtype
-        cos = self.cos[positions].to(dtype).unsqueeze(0)  # [1, num_tokens, head_dim]
-        sin = self.sin[positions].to(dtype).unsqueeze(0)
+        dtype, compute = x.dtype, meta.compute_dtype
+        # Queries and keys are rotated in attention's compute dtype (fp32 on CPU): one cast of the
+        # fused qkv per layer, and the keys and values go into the pool without another.
+        cos = self.cos[positions].to(compute).unsqueeze(0)  # [1, num_tokens, head_dim]
+        sin = self.sin[positions].to(compute).unsqueeze(0)
         n, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         residual = x
         eps, scale = self.eps, self.scale
         for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, m) in enumerate(self._plan):
             hs = rms_norm(residual, input_norm, eps)
-            qkv = qkv_proj(hs).view(n, h + 2 * kv, d).transpose(0, 1)  # [h + 2kv, num_tokens, d]
+            qkv = qkv_proj(hs).to(compute).view(n, h + 2 * kv, d).transpose(0, 1)  # [h + 2kv, num_tokens, d]
             qk = qkv[: h + kv]
             qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin  # rotary on queries and keys at once
             attn = paged_attention(meta, i, qk[:h], qk[h:], qkv[h + kv :], scale)  # [num_tokens, h, d]
-            residual = residual + o_proj(attn.view(n, h * d))
+            residual = residual + o_proj(attn.reshape(n, h * d).to(dtype))
             hs = rms_norm(residual, post_norm, eps)
             gate_up = gate_up_proj(hs)  # [num_tokens, 2 * intermediate]
             residual = residual + down_proj(F.silu(gate_up[:, :m]) * gate_up[:, m:])
