@@ -31,15 +31,13 @@ def side(row: Version) -> dict[str, Any]:
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaves of nested dicts under dotted paths; lists are leaves (compared whole)."""
+    """Leaves of nested dicts under dotted paths. Lists are leaves (compared whole); an empty dict
+    has no leaves (a prior that appears shows as that one path, from None)."""
     if not isinstance(value, dict):
         return {prefix: value}
     out: dict[str, Any] = {}
     for key in sorted(value):
-        path = f"{prefix}.{key}" if prefix else str(key)
-        out.update(
-            flatten(value[key], path) if isinstance(value[key], dict) and value[key] else {path: value[key]}
-        )
+        out.update(flatten(value[key], f"{prefix}.{key}" if prefix else str(key)))
     return out
 
 

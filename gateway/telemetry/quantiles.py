@@ -22,9 +22,17 @@ N_EDGES = 110  # up to LOW_MS * RATIO**109, about 1.1e6 ms (18 minutes); the las
 EDGES: tuple[float, ...] = tuple(LOW_MS * RATIO**i for i in range(N_EDGES))
 
 
+GROUP = 10  # edges per branch of the outer CASE: ~20 comparisons a row instead of up to 110
+
+
 def bin_of(column: Any) -> Any:
-    """SQL: the histogram bin of a value in milliseconds (0 .. N_EDGES)."""
-    return case(*((column < edge, i) for i, edge in enumerate(EDGES)), else_=N_EDGES)
+    """SQL: the histogram bin of a value in milliseconds (0 .. N_EDGES), by a two-level CASE."""
+    branches = []
+    for start in range(0, N_EDGES, GROUP):
+        group = range(start, min(start + GROUP, N_EDGES))
+        inner = case(*((column < EDGES[i], i) for i in group[:-1]), else_=group[-1])
+        branches.append((column < EDGES[group[-1]], inner))
+    return case(*branches, else_=N_EDGES)
 
 
 def _bounds(index: int) -> tuple[float, float]:

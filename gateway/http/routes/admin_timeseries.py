@@ -36,7 +36,9 @@ def _grid(window: float, step: float) -> Grid:
     try:
         return Grid.ending_now(window, step)
     except ValueError as exc:
-        raise GatewayError(422, f"invalid value for step: {exc}", param="query.step", code="invalid_value") from exc
+        raise GatewayError(
+            422, f"invalid value for step: {exc}", param="query.step", code="invalid_value"
+        ) from exc
 
 
 def _engine(svc: Services) -> Any:

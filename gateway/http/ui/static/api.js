@@ -79,7 +79,7 @@ export function table(columns, rows, caption) {
     const v = c.get(row);
     return h("td", { class: c.num ? "num" : null }, v instanceof Node ? v : fmt(v, c.digits));
   })));
-  return h("div", { class: "table-wrap" }, h("table", null,
+  return h("div", { class: "table-wrap" }, h("table", { "data-table": caption || null },
     caption ? h("caption", { class: "sr-only" }, caption) : null,
     h("thead", null, head), h("tbody", null, rows.length ? body : h("tr", null, h("td", { colspan: columns.length, class: "empty" }, "No data in this window.")))));
 }
@@ -103,5 +103,5 @@ export function confirmAction(title, ...body) {
 }
 
 export function tile(label, value) {
-  return h("div", { class: "tile" }, h("p", { class: "label" }, label), h("p", { class: "value" }, value));
+  return h("div", { class: "tile", "data-tile": label }, h("p", { class: "label" }, label), h("p", { class: "value" }, value));
 }

@@ -4,31 +4,46 @@
 import { h, fmt } from "./api.js";
 
 export const COLORS = ["#0b5cad", "#d1242f", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#0a7d8c", "#57606a", "#e16f24", "#4d2d00"];
-const W = 640, H = 240, L = 52, R = 12, T = 12, B = 28;
+// Drawn in the units of the screen it is shown on (narrower on a phone), so text stays legible.
+let W = 640, H = 240;
+const L = 56, R = 14, T = 12, B = 30;
 
-function niceMax(v) {
-  if (!(v > 0)) return 1;
+function size() {
+  const narrow = window.innerWidth < 600;
+  W = narrow ? 400 : 640;
+  H = narrow ? 220 : 240;
+  return narrow ? 3 : 6;
+}
+
+// The axis top and how many gridlines, so that each gridline is a round number (integers only
+// when `whole`, as for counts).
+function niceMax(v, whole = false) {
+  if (!(v > 0)) return { max: whole ? 4 : 1, ticks: 4 };
+  if (whole && v <= 4) return { max: 4, ticks: 4 };
   const p = 10 ** Math.floor(Math.log10(v));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
-  return 10 * p;
+  for (const m of [1, 2, 2.5, 4, 5, 10]) {
+    if (m * p >= v) return { max: m * p, ticks: m === 1 || m === 2 || m === 4 ? 4 : 5 };
+  }
+  return { max: 10 * p, ticks: 5 };
 }
 
 function clock(t, span) {
   const d = new Date(t * 1000);
-  const hm = d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+  const hm = d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", hourCycle: "h23" });
   return span > 2 * 86400 ? d.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + hm : hm;
 }
 
-function frame(svg, times, step, max, yFormat) {
+function frame(svg, times, step, scale, yFormat, ticks) {
+  const { max, ticks: lines } = scale;
   const t0 = times[0], t1 = times[times.length - 1] + step;
   const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
   const y = (v) => T + (1 - v / max) * (H - T - B);
-  for (let i = 0; i <= 4; i++) {
-    const v = (max * i) / 4;
+  for (let i = 0; i <= lines; i++) {
+    const v = (max * i) / lines;
     svg.append(h("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }));
     svg.append(h("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, yFormat(v)));
   }
-  const ticks = Math.min(6, times.length);
+  ticks = Math.min(ticks, times.length);
   for (let i = 0; i <= ticks; i++) {
     const t = t0 + ((t1 - t0) * i) / ticks;
     svg.append(h("text", { x: x(t), y: H - 8, "text-anchor": i === 0 ? "start" : i === ticks ? "end" : "middle" }, clock(t, t1 - t0)));
@@ -67,10 +82,11 @@ function summary(series, yFormat) {
 
 // series: [{name, values: [number|null per time], color?}]
 export function lineChart({ id, title, times, step, series, yFormat = (v) => fmt(v) }) {
+  const ticks = size();
   const vals = series.flatMap((s) => s.values).filter((v) => v !== null && v !== undefined);
-  const max = niceMax(Math.max(0, ...vals));
+  const scale = niceMax(Math.max(0, ...vals));
   const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-labelledby": `${id}-cap ${id}-sum`, "data-chart": id });
-  const { x, y } = frame(svg, times, step, max, yFormat);
+  const { x, y } = frame(svg, times, step, scale, yFormat, ticks);
   const lines = h("g"), dots = h("g");
   svg.append(lines, dots);
   series.forEach((s, i) => {
@@ -92,10 +108,11 @@ export function lineChart({ id, title, times, step, series, yFormat = (v) => fmt
 
 // Stacked bars: series values are counts per time.
 export function stackedBars({ id, title, times, step, series, yFormat = (v) => fmt(v) }) {
+  const ticks = size();
   const totals = times.map((_, i) => series.reduce((a, s) => a + (s.values[i] || 0), 0));
-  const max = niceMax(Math.max(0, ...totals));
+  const scale = niceMax(Math.max(0, ...totals), true);
   const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-labelledby": `${id}-cap ${id}-sum`, "data-chart": id });
-  const { x, y } = frame(svg, times, step, max, yFormat);
+  const { x, y } = frame(svg, times, step, scale, yFormat, ticks);
   const bw = Math.max(1, x(times[0] + step) - x(times[0]) - 1);
   times.forEach((t, i) => {
     let base = 0;
@@ -128,7 +145,7 @@ export function barList({ id, title, items, format = (v) => fmt(v) }) {
   const list = h("ul", { class: "bars", "aria-labelledby": `${id}-cap` }, items.map((it) => {
     const bar = h("span", { class: "bar", "data-width": ((100 * (it.value || 0)) / max).toFixed(1) });
     return h("li", { class: it.chosen ? "chosen" : null, "data-name": it.name },
-      h("span", { class: "name" }, it.name, it.chosen ? " (chosen)" : ""), h("span", { "aria-hidden": "true" }, bar),
+      h("span", { class: "name" }, it.name, it.chosen ? " (chosen)" : ""), h("span", { class: "track", "aria-hidden": "true" }, bar),
       h("span", { class: "num" }, it.label ?? format(it.value)));
   }));
   const fig = h("figure", { class: "chart", id }, h("figcaption", { id: `${id}-cap` }, title),
