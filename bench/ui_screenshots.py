@@ -98,6 +98,13 @@ def traffic(url: str, n: int, max_tokens: int) -> None:
     time.sleep(1.0)  # the telemetry writer flushes every 0.2 s
 
 
+def sign_in(page: Any) -> None:
+    page.goto("/admin/ui/login")
+    page.get_by_label("Admin key").fill(KEY)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url("**/admin/ui")
+
+
 def shoot(url: str, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
@@ -108,9 +115,7 @@ def shoot(url: str, out: Path) -> list[Path]:
         page.goto("/admin/ui/login")
         saved.append(out / "dashboard-signin.png")
         page.screenshot(path=str(saved[-1]))
-        page.get_by_label("Admin key").fill(KEY)
-        page.get_by_role("button", name="Sign in").click()
-        page.wait_for_url("**/admin/ui")
+        sign_in(page)
         for name in ("traffic", "speculation", "policy", "explain", "backends"):
             page.goto(f"/admin/ui#{name}")
             page.wait_for_selector(f"#page-{name}:not([hidden])")
@@ -129,13 +134,14 @@ def shoot(url: str, out: Path) -> list[Path]:
             page.wait_for_timeout(300)
             saved.append(out / f"dashboard-{name}.png")
             page.screenshot(path=str(saved[-1]), full_page=True)
-        page.set_viewport_size({"width": 390, "height": 844})
-        page.goto("/admin/ui#traffic")
-        page.wait_for_load_state("networkidle")
-        page.locator("#traffic-window").select_option("0")
-        page.wait_for_load_state("networkidle")
+        # A phone: a fresh page of its width (charts are drawn for the width they are shown at).
+        phone = browser.new_page(viewport={"width": 390, "height": 844}, base_url=url)
+        sign_in(phone)
+        phone.locator("#traffic-window").select_option("0")
+        phone.wait_for_load_state("networkidle")
+        phone.wait_for_timeout(300)
         saved.append(out / "dashboard-phone.png")
-        page.screenshot(path=str(saved[-1]))
+        phone.screenshot(path=str(saved[-1]))
         browser.close()
     return saved
 

@@ -33,6 +33,8 @@ async function main() {
   for (const h1 of document.querySelectorAll("section.page h1")) h1.tabIndex = -1;
   document.getElementById("signout").addEventListener("click", () => signOut().catch((e) => say(e.message, true)));
   window.addEventListener("hashchange", route);
+  // Charts are drawn for a phone or a wider screen: redraw when the width crosses between them.
+  matchMedia("(max-width: 599px)").addEventListener("change", () => { if (current) built[current].show(); });
   // Back to the sign-in form when the session runs out.
   setTimeout(() => location.assign("/admin/ui/login"), Math.min(2 ** 31 - 1, Math.max(0, session.expires_at * 1000 - Date.now()) + 1000));
   route();
