@@ -61,3 +61,28 @@ def test_a_batch_of_several_sequences_gathers(runner: ModelRunner) -> None:
     together = runner.execute(items)
     alone = torch.cat([runner.execute([it]) for it in items])
     assert torch.allclose(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_long_contexts_attend_alone_and_agree_with_a_shared_call(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specgate.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "SHARED_MAX_CONTEXT", 16)  # the tiny pool holds no long contexts
+    a, b, c = prompts([24, 8, 25], seed=6)
+    tables = [list(range(0, 7)), list(range(7, 10)), [20 + 2 * j for j in range(8)]]  # c scattered
+    runner.execute([ForwardItem(p, 0, t, 1) for p, t in zip((a, b, c), tables, strict=True)])
+    items = [
+        ForwardItem([1], 24, tables[0], 1),  # decode, long context: alone, a view of the pool
+        ForwardItem([2], 8, tables[1], 1),  # decode, short context: shares a call
+        ForwardItem([3, 4, 5], 25, tables[2], 3),  # verification, long context: alone, gathered
+    ]
+    meta = runner._prepare(items)[3]
+    assert [(g.b, g.kv_start) for g in meta.groups] == [(1, 28), (1, 0), (1, None)]
+    assert [g.start for g in meta.groups] == [0, 1, 2]  # short decodes first, then one per sequence
+    alone = runner.execute(items)  # [5, vocab]
+    monkeypatch.setattr(model_runner, "SHARED_MAX_CONTEXT", 1 << 30)
+    meta = runner._prepare(items)[3]
+    assert [g.b for g in meta.groups] == [2, 1]  # the two decodes share a call, padded
+    shared = runner.execute(items)
+    assert torch.allclose(alone, shared, atol=1e-5, rtol=1e-5)
