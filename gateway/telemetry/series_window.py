@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import time
 from dataclasses import dataclass
@@ -39,14 +40,10 @@ class Grid:
     def times(self) -> list[float]:
         return [self.start + i * self.step for i in range(self.points)]
 
-    def since(self) -> Any:
-        import datetime as dt
-
+    def since(self) -> dt.datetime:
         return dt.datetime.fromtimestamp(self.start, tz=dt.UTC)
 
-    def until(self) -> Any:
-        import datetime as dt
-
+    def until(self) -> dt.datetime:
         return dt.datetime.fromtimestamp(self.end, tz=dt.UTC)
 
 
