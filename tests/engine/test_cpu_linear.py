@@ -93,3 +93,13 @@ def test_same_input_siblings_are_fused_into_one_gemm() -> None:
     # A different input is recomputed, never served from the previous call's output.
     h2 = torch.randn(1, 5, 16)
     assert torch.allclose(block.k_proj(h2), torch.nn.functional.linear(h2, k_weight), atol=1e-5)
+
+
+def test_packed_linear_reads_a_strided_input_right() -> None:
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU")
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).bfloat16().requires_grad_(False)
+    x = torch.randn(10, 128).bfloat16()[:, :64]  # [10, 64], rows 128 apart
+    assert not x.is_contiguous()
+    assert torch.allclose(PackedLinear([lin])(x).float(), lin(x).float(), atol=1e-2)
