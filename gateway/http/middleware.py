@@ -17,10 +17,13 @@ import time
 import uuid
 from typing import Any
 
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specgate.gateway.http.auth import bearer, check_key, client_address, limit_key, parse_networks
 from specgate.gateway.http.errors import error_response
+from specgate.gateway.http.ui.dashboard_auth import DashboardAuth
+from specgate.gateway.http.ui.session import COOKIE
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.telemetry.records import RequestRecord
 
@@ -141,14 +144,23 @@ class GatewayMiddleware:
     @staticmethod
     def _refused(services: Any, scope: Scope, headers: dict[bytes, bytes], bucket: str) -> bool:
         """Whether this request is turned away for its address's refusals: not probes, and not a
-        request carrying a valid key (a neighbour behind the same NAT guessing keys must not lock
-        out the clients that hold one)."""
+        request carrying a valid key or dashboard session (a neighbour behind the same NAT guessing
+        keys must not lock out the clients that hold one)."""
         if scope["path"] in UNLIMITED_PATHS or not services.refusals.exhausted(bucket):
             return False
         token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
         admin = services.settings.admin_key
         accepted = [*services.api_keys, *([admin.get_secret_value()] if admin is not None else [])]
-        return not check_key(token, accepted)
+        if check_key(token, accepted):
+            return False
+        # The dashboard's browser holds a signed session cookie instead of a key.
+        state = getattr(scope.get("app"), "state", None)
+        dashboard: DashboardAuth | None = getattr(state, "dashboard", None)
+        cookie = headers.get(b"cookie")
+        if dashboard is None or cookie is None or not scope["path"].startswith("/admin"):
+            return True
+        value = cookie_parser(cookie.decode("latin-1")).get(COOKIE)
+        return dashboard.signer.verify(value) is None
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Any) -> None:

@@ -225,3 +225,34 @@ def test_without_an_admin_key_there_is_no_dashboard() -> None:
             assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
     finally:
         gw.stop()
+
+
+def test_a_session_is_not_locked_out_by_its_addresss_refusals() -> None:
+    gw = start_gateway(
+        tiny_settings(
+            "unused",
+            embedded={"enabled": False},
+            telemetry={"enabled": False},
+            admin_key=KEY,
+            refused_rpm=60,  # bursts of ten refusals
+            trusted_proxies=["127.0.0.1"],
+        ),
+        wait_ready=False,
+    )
+    try:
+        nat = {"x-forwarded-for": "198.51.100.80"}
+        cookies, _ = session(gw)
+        guesses = [
+            httpx.get(f"{gw.url}/admin/stats", headers={**nat, "authorization": f"Bearer g{i}"}).status_code
+            for i in range(12)
+        ]
+        assert guesses[:10] == [401] * 10 and guesses[10:] == [429] * 2
+        # A neighbour's guessing does not lock out the operator's signed-in browser...
+        r = httpx.get(f"{gw.url}/admin/ui/session", headers=nat, cookies=cookies)
+        assert r.status_code == 200, r.text
+        # ...but a forged or junk cookie is no pass.
+        for junk in ("x.y", cookies["specgate_admin"][:-2] + "AA"):
+            r = httpx.get(f"{gw.url}/admin/ui/session", headers=nat, cookies={"specgate_admin": junk})
+            assert r.status_code == 429
+    finally:
+        gw.stop()
