@@ -25,9 +25,9 @@ import torch
 import transformers
 
 from specgate.bench.workloads import DATA, chat_prompts
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
-from specgate.engine.model_runner import ForwardItem
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.settings import default_cache_dir
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.config import EngineConfig
 from specgate.engine.detokenizer import IncrementalDetokenizer
 from specgate.engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
-from specgate.engine.model_runner import ForwardItem, ModelRunner
+from specgate.engine.model_runner import ModelRunner
 from specgate.engine.outputs import RequestOutput, RequestStats, SpecStats, TokenLogprob
 from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
 from specgate.engine.sampling_params import SamplingParams

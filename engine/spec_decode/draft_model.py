@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.config import EngineConfig
-from specgate.engine.model_runner import ForwardItem, ModelRunner
+from specgate.engine.model_runner import ModelRunner
 from specgate.engine.sampler import process_logits
 from specgate.engine.spec_decode.proposer import (
     Proposal,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.cpu_linear import PackedLinear, pack_linears, packing_supported
 from specgate.engine.engine import Engine
-from specgate.engine.model_runner import ForwardItem
 
 # Packing itself needs oneDNN (fp32 everywhere it exists); bf16 needs a CPU with native bf16.
 pytestmark = pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN unavailable")

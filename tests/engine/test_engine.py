@@ -223,7 +223,7 @@ def test_logprobs_are_the_model_log_softmax(make_engine: Callable[..., Engine], 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_engines_track_float32_logits(make_engine: Callable[..., Engine], dtype: str) -> None:
-    from specgate.engine.model_runner import ForwardItem
+    from specgate.engine.batch_layout import ForwardItem
 
     prompt = prompts([30], seed=8)[0]
     ref = make_engine().runner.execute([ForwardItem(prompt, 0, list(range(8)), 4)])

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.engine import Engine
-from specgate.engine.model_runner import ForwardItem, ModelRunner
+from specgate.engine.model_runner import ModelRunner
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.embedded.chat_template import render_chat

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
-from specgate.engine.model_runner import ForwardItem, ModelRunner
+from specgate.engine.model_runner import ModelRunner
 from specgate.engine.models.linear import Int4Linear, Int8Linear
 from specgate.engine.models.llama import CompactCausalLM
 from specgate.engine.sampling_params import SamplingParams
