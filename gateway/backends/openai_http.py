@@ -252,6 +252,7 @@ class OpenAIBackend:
         response: httpx2.Response | None = None
         s = self.settings
         deadline = time.monotonic() + s.total_timeout
+        total_bound = False  # whether the wait that timed out was cut by the total deadline
         try:
             response = await self._timed_send(call)
             ctype = response.headers.get("content-type", "")
@@ -263,6 +264,9 @@ class OpenAIBackend:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
+                # Which limit this wait runs to: uvloop's millisecond timers may fire just before the
+                # deadline by time.monotonic(), so the clock alone cannot tell afterwards.
+                total_bound = left <= s.read_timeout
                 try:
                     async with asyncio.timeout(min(s.read_timeout, left)):
                         data = await anext(events)
@@ -289,7 +293,8 @@ class OpenAIBackend:
             self.probe_ok = True
         except TimeoutError:
             self.breaker.record_failure()
-            what = "exceeded its total timeout" if time.monotonic() >= deadline else "sent no data in time"
+            total = total_bound or time.monotonic() >= deadline
+            what = "exceeded its total timeout" if total else "sent no data in time"
             raise GatewayError(504, f"backend {self.name} {what}", code="timeout", retryable=True) from None
         except _Malformed as exc:
             raise self._broke_protocol(exc) from None
