@@ -194,13 +194,9 @@ def paged_attention(
     out = query if whole else torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     for g in meta.groups:
         s = g.kv_slots.shape[1]
-        if g.kv_start is not None:
-            k, v = cache.window(layer, g.kv_start, s)  # [kv_heads, S, head_dim], views of the pool
-            k, v = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, S, head_dim]
-        else:
-            k, v = cache.gather(layer, g.kv_slots.reshape(-1))  # [kv_heads, b * S, head_dim]
-            k = k.view(-1, g.b, s, head_dim).transpose(0, 1)  # [b, kv_heads, S, head_dim]
-            v = v.view(-1, g.b, s, head_dim).transpose(0, 1)
+        k, v = cache.read(layer, g.kv_slots.reshape(-1), g.kv_start)  # [kv_heads, b * S, head_dim]
+        k = k.view(-1, g.b, s, head_dim).transpose(0, 1)  # [b, kv_heads, S, head_dim]
+        v = v.view(-1, g.b, s, head_dim).transpose(0, 1)
         rows = q[:, g.start : g.start + g.num_tokens]  # [heads, num_tokens, head_dim]
         if g.q_index is not None:
             rows = q.index_select(1, g.q_index)  # [heads, b * t, head_dim]
@@ -213,10 +209,7 @@ def paged_attention(
             return o.to(query.dtype)
         out[g.start : g.start + g.num_tokens] = o
     for chunk in meta.long_chunks:
-        if chunk.kv_start is not None:
-            k, v = cache.window(layer, chunk.kv_start, chunk.kv_slots.shape[0])  # [kv_heads, S, head_dim]
-        else:
-            k, v = cache.gather(layer, chunk.kv_slots)  # [kv_heads, S, head_dim]
+        k, v = cache.read(layer, chunk.kv_slots, chunk.kv_start)  # [kv_heads, S, head_dim]
         qc = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, heads, T, head_dim]
         o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)

@@ -44,7 +44,12 @@ class KVCache:
         """Keys/values at `slots` ([S]) as [kv_heads, S, head_dim]."""
         return self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
 
-    def window(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values at slots start .. start + length - 1 as [kv_heads, length, head_dim] views."""
-        end = start + length
+    def read(
+        self, layer: int, slots: torch.Tensor, start: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values at `slots` ([S]) as [kv_heads, S, head_dim]: views of the pool when the caller
+        knows the slots are the range start .. start + S - 1, gathered copies otherwise."""
+        if start is None:
+            return self.gather(layer, slots)
+        end = start + slots.shape[0]
         return self.k[layer, :, start:end], self.v[layer, :, start:end]
