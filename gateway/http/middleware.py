@@ -17,13 +17,12 @@ import time
 import uuid
 from typing import Any
 
-from starlette.requests import cookie_parser
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specgate.gateway.http.auth import bearer, check_key, client_address, limit_key, parse_networks
 from specgate.gateway.http.errors import error_response
-from specgate.gateway.http.ui.dashboard_auth import DashboardAuth
-from specgate.gateway.http.ui.session import COOKIE
+from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.telemetry.records import RequestRecord
 
@@ -154,13 +153,11 @@ class GatewayMiddleware:
         if check_key(token, accepted):
             return False
         # The dashboard's browser holds a signed session cookie instead of a key.
-        state = getattr(scope.get("app"), "state", None)
-        dashboard: DashboardAuth | None = getattr(state, "dashboard", None)
-        cookie = headers.get(b"cookie")
-        if dashboard is None or cookie is None or not scope["path"].startswith("/admin"):
+        if b"cookie" not in headers or not scope["path"].startswith("/admin"):
             return True
-        value = cookie_parser(cookie.decode("latin-1")).get(COOKIE)
-        return dashboard.signer.verify(value) is None
+        request = Request(scope)
+        dashboard = dashboard_auth(request)
+        return dashboard is None or dashboard.session(request) is None
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Any) -> None:
