@@ -87,3 +87,15 @@ class Backend(Protocol):
     def status(self) -> dict[str, Any]:
         """Health and load for /readyz and metrics."""
         ...
+
+
+class RelayedChunk(dict[str, Any]):
+    """A stream chunk as parsed, carrying the SSE event it arrived as (`event`): the gateway sends
+    those bytes on unchanged unless it changes the chunk (the last one gets `metrics`), instead of
+    encoding every event again."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, chunk: dict[str, Any], event: bytes) -> None:
+        super().__init__(chunk)
+        self.event = event

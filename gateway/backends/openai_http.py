@@ -25,10 +25,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx2
-
-from specgate.gateway.backends.base import BackendCall
+from specgate.gateway.backends.base import BackendCall, RelayedChunk
 from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
+from specgate.gateway.backends.upstream_client import (
+    DecodingError,
+    PoolTimeout,
+    Timeouts,
+    TransportError,
+    UpstreamClient,
+    UpstreamResponse,
+)
 from specgate.gateway.backends.upstream_stats import capture
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.nesting import MAX_DEPTH, nests_deeper
@@ -53,7 +59,7 @@ class _Malformed(Exception):
 
 
 class OpenAIBackend:
-    def __init__(self, settings: BackendSettings, client: httpx2.AsyncClient) -> None:
+    def __init__(self, settings: BackendSettings, client: UpstreamClient) -> None:
         self.settings = settings
         self.name = settings.name
         self.external = True
@@ -66,9 +72,7 @@ class OpenAIBackend:
         self.latency_ewma_ms: float | None = None
         self._probe_task: asyncio.Task[None] | None = None
         s = settings
-        self._timeout = httpx2.Timeout(
-            connect=s.connect_timeout, read=s.read_timeout, write=s.read_timeout, pool=s.connect_timeout
-        )
+        self._timeout = Timeouts(connect=s.connect_timeout, read=s.read_timeout)
         self._headers = {"authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
 
     def model_ids(self) -> list[str]:
@@ -113,9 +117,13 @@ class OpenAIBackend:
         """GET /models: marks the backend up or down and learns its models when none are configured."""
         try:
             url = f"{self.settings.base_url}/models"
-            async with self.client.stream("GET", url, headers=self._headers, timeout=self._timeout) as r:
-                r.raise_for_status()
+            r = await self.client.send("GET", url, headers=self._headers, timeout=self._timeout)
+            try:
+                if r.status_code >= 400:
+                    raise _Malformed(f"answered {r.status_code}")
                 raw = await _read_capped(r, self.settings.max_response_bytes)
+            finally:
+                await r.aclose()
             ids = _model_ids(json.loads(raw))
         except Exception as exc:  # any failure means down; the reason goes to the log only
             if self.probe_ok is not False:
@@ -143,11 +151,12 @@ class OpenAIBackend:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
 
-    async def _send(self, call: BackendCall) -> httpx2.Response:
+    async def _send(self, call: BackendCall) -> UpstreamResponse:
         """One response with a 2xx status, after retries; raises GatewayError otherwise."""
         s = self.settings
         url = f"{s.base_url}{_PATHS[call.kind]}"
-        payload = self._payload(call)
+        # Encoded once for every retry; compact, and ASCII-escaped so that any text encodes.
+        payload = json.dumps(self._payload(call), separators=(",", ":")).encode()
         last: GatewayError | None = None
         for attempt in range(s.max_retries + 1):
             if not self.breaker.allow(owner=call):
@@ -159,16 +168,15 @@ class OpenAIBackend:
                 )
             call.observed.attempts += 1
             try:
-                request = self.client.build_request(
-                    "POST", url, json=payload, headers=self._headers, timeout=self._timeout
+                response = await self.client.send(
+                    "POST", url, body=payload, headers=self._headers, timeout=self._timeout
                 )
-                response = await self.client.send(request, stream=True)
-            except httpx2.PoolTimeout:
+            except PoolTimeout:
                 # Our own pool is full: no verdict on the backend, so the breaker is left alone.
                 raise GatewayError(
                     503, "the gateway's connection pool is exhausted", code="gateway_busy", retryable=True
                 ) from None
-            except (httpx2.TransportError, OSError) as exc:
+            except (TransportError, OSError) as exc:
                 self.breaker.record_failure()
                 last = GatewayError(
                     503, f"backend {self.name} is unreachable ({type(exc).__name__})", retryable=True
@@ -207,7 +215,7 @@ class OpenAIBackend:
         self.breaker.record_failure()
         return GatewayError(502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True)
 
-    async def _timed_send(self, call: BackendCall) -> httpx2.Response:
+    async def _timed_send(self, call: BackendCall) -> UpstreamResponse:
         t0 = time.perf_counter()
         response = await self._send(call)
         ms = (time.perf_counter() - t0) * 1e3
@@ -231,7 +239,7 @@ class OpenAIBackend:
                 finally:
                     await response.aclose()
             body = _json_object(raw, response.headers.get("content-type", ""))
-        except (httpx2.TransportError, TimeoutError) as exc:
+        except (TransportError, TimeoutError) as exc:
             self.breaker.record_failure()
             raise GatewayError(
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
@@ -249,7 +257,7 @@ class OpenAIBackend:
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         self.in_flight += 1
-        response: httpx2.Response | None = None
+        response: UpstreamResponse | None = None
         s = self.settings
         deadline = time.monotonic() + s.total_timeout
         total_bound = False  # whether the wait that timed out was cut by the total deadline
@@ -286,8 +294,12 @@ class OpenAIBackend:
                 capture(chunk, call.observed)
                 if call.observed.first_token_time is None and chunk.get("choices"):
                     call.observed.first_token_time = time.time()
-                chunk["model"] = call.model
-                if chunk.get("choices") or call.request.include_usage:
+                if not (chunk.get("choices") or call.request.include_usage):
+                    continue
+                if chunk.get("model") == call.model and _relayable(data, chunk):
+                    yield RelayedChunk(chunk, b"data: " + data.encode() + b"\n\n")
+                else:
+                    chunk["model"] = call.model
                     yield chunk
             self.breaker.record_success()
             self.probe_ok = True
@@ -298,7 +310,7 @@ class OpenAIBackend:
             raise GatewayError(504, f"backend {self.name} {what}", code="timeout", retryable=True) from None
         except _Malformed as exc:
             raise self._broke_protocol(exc) from None
-        except httpx2.TransportError as exc:
+        except TransportError as exc:
             self.breaker.record_failure()
             raise GatewayError(
                 503, f"backend {self.name} failed mid-stream ({type(exc).__name__})", retryable=True
@@ -310,7 +322,7 @@ class OpenAIBackend:
                 await response.aclose()
 
 
-async def _read_capped(response: httpx2.Response, limit: int) -> bytes:
+async def _read_capped(response: UpstreamResponse, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     async for part in _decoded(response):  # decoded: a compressed bomb is capped too
@@ -321,12 +333,12 @@ async def _read_capped(response: httpx2.Response, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _decoded(response: httpx2.Response) -> AsyncIterator[bytes]:
+async def _decoded(response: UpstreamResponse) -> AsyncIterator[bytes]:
     """The body's bytes after its content-encoding; one that does not decode is a protocol error."""
     try:
         async for part in response.aiter_bytes():
             yield part
-    except httpx2.DecodingError:
+    except DecodingError:
         raise _Malformed("sent a body its content-encoding does not decode") from None
 
 
@@ -382,6 +394,12 @@ def _fit_prompt_details(usage: dict[str, Any]) -> None:
         details["cached_tokens"] = None
 
 
+def _relayable(data: str, chunk: dict[str, Any]) -> bool:
+    """Whether an event's own text may go to the client as it came: one line, no usage (whose
+    counts `_json_object` may have cut), and no NaN / Infinity (which it turned into null)."""
+    return "usage" not in chunk and "\n" not in data and "NaN" not in data and "Infinity" not in data
+
+
 def _model_ids(listing: Any) -> list[str]:
     """Model ids an upstream lists, kept only if they could be ours: short printable UTF-8 text.
     They become routes and metric labels, so an upstream cannot flood or poison either."""
@@ -404,10 +422,10 @@ def _text(value: Any) -> str:
     return str(value)[:MAX_MESSAGE]
 
 
-async def _sse_data(response: httpx2.Response, max_line: int) -> AsyncIterator[str]:
+async def _sse_data(response: UpstreamResponse, max_line: int) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent event stream (multi-line data joined with newlines).
 
-    Lines are split here, not by httpx, so that no line (and no event) may exceed `max_line` bytes,
+    Lines are split here, not by the HTTP client, so that no line (and no event) may exceed `max_line` bytes,
     and bytes that are not UTF-8 are a protocol error rather than a crash."""
     pending = b""
     lines: list[str] = []
@@ -442,11 +460,11 @@ async def _sse_data(response: httpx2.Response, max_line: int) -> AsyncIterator[s
         yield "\n".join(lines)
 
 
-async def _error_from(response: httpx2.Response, name: str, limit: int) -> GatewayError:
+async def _error_from(response: UpstreamResponse, name: str, limit: int) -> GatewayError:
     status = response.status_code
     try:
         raw = await _read_capped(response, min(limit, 1 << 20))
-    except (_Malformed, httpx2.TransportError):
+    except (_Malformed, TransportError):
         raw = b""
     finally:
         await response.aclose()

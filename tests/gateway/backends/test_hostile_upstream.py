@@ -147,15 +147,14 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
     """Our connection pool running dry must not open the backend's breaker."""
     import asyncio
 
-    import httpx2
-
     from specgate.gateway.backends.base import BackendCall
     from specgate.gateway.backends.openai_http import OpenAIBackend
+    from specgate.gateway.backends.upstream_client import UpstreamClient
     from specgate.gateway.protocol.errors import GatewayError
     from specgate.gateway.protocol.schemas import ChatCompletionRequest
 
     async def run() -> tuple[int, int]:
-        client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1))
+        client = UpstreamClient(max_connections=1)
         b = OpenAIBackend(backend("hostile", hostile, connect_timeout=0.2, max_retries=0), client)
         req = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}])  # type: ignore[list-item]
 
