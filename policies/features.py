@@ -6,6 +6,7 @@ millisecond even for a long RAG context.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -57,7 +58,12 @@ def copyability(text: str, n: int = 3) -> float:
     Repetitive prompts (code, templated data, documents quoted twice) are the ones whose outputs
     n-gram and suffix proposers can copy from.
     """
-    words = _WORD.findall(text[:COPY_CHARS])
+    return _copyability(text[:COPY_CHARS], n)
+
+
+@functools.lru_cache(maxsize=1024)  # keys are at most COPY_CHARS long: a few MiB in all
+def _copyability(text: str, n: int) -> float:
+    words = _WORD.findall(text)
     total = len(words) - n + 1
     if total <= 0:
         return 0.0

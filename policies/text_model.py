@@ -68,10 +68,17 @@ class LinearTextModel:
     intercept: np.ndarray  # [n_classes]
 
     def predict_proba(self, text: str, dense: dict[str, float]) -> np.ndarray:
-        logits = self.intercept.copy()
+        return self.proba_from(self.text_logits(text), dense)
+
+    def text_logits(self, text: str) -> np.ndarray:
+        """The text blocks' share of the logits: the costly part, which depends on the text alone."""
+        logits = self.intercept.copy()  # [n_classes]
         for block in self.blocks:
             logits += block.scores(text)
-        logits += np.array([dense[n] for n in self.dense_names]) @ self.dense_weights
+        return logits
+
+    def proba_from(self, text_logits: np.ndarray, dense: dict[str, float]) -> np.ndarray:
+        logits = text_logits + np.array([dense[n] for n in self.dense_names]) @ self.dense_weights
         logits -= logits.max()
         p = np.exp(logits)
         probs: np.ndarray = p / p.sum()  # [n_classes]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specgate.gateway.http import openapi
 from specgate.gateway.http.errors import install_error_handlers
@@ -24,24 +26,31 @@ from specgate.gateway.http.routes import (
     models,
 )
 from specgate.gateway.http.ui.dashboard_auth import DashboardAuth
+from specgate.gateway.http.worker_header import WorkerHeader
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
 from specgate.gateway.protocol.dashboard_schemas import SignIn
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.services import Services
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.records import RecordSink
+from specgate.gateway.worker_context import WorkerContext
 
 logger = logging.getLogger("specgate.gateway")
 
 
 def create_app(
-    settings: Settings | None = None, *, cache_dir: str | None = None, sink: RecordSink | None = None
+    settings: Settings | None = None,
+    *,
+    cache_dir: str | None = None,
+    sink: RecordSink | None = None,
+    worker: WorkerContext | None = None,
 ) -> FastAPI:
+    """`worker`: this app is one worker of `serve --workers N` (None: the only one)."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = Services.build(settings, cache_dir, sink)
+        services = Services.build(settings, cache_dir, sink, worker)
         app.state.services = services
         await services.start()
         try:
@@ -49,7 +58,7 @@ def create_app(
         finally:
             await services.close()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="specgate",
         version="0.1.0",
         lifespan=lifespan,
@@ -58,13 +67,38 @@ def create_app(
     )
     install_error_handlers(app)
     # The dashboard's session signer and sign-in guard (None without an admin key).
-    app.state.dashboard = DashboardAuth.build(settings)
+    app.state.dashboard = DashboardAuth.build(settings, worker.shared_limits if worker is not None else None)
     # admin_policy_diff before admin_policy: /admin/policy/diff is a path of its own.
-    routers = (inference, models, health, admin_policy_diff, admin_policy, admin_ops, admin_timeseries)
+    routers = (models, health, admin_policy_diff, admin_policy, admin_ops, admin_timeseries)
     for module in (*routers, admin_ui_session, admin_ui):
         app.include_router(module.router)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn])
-    app.add_middleware(
-        GatewayMiddleware, max_body_bytes=settings.max_body_bytes, trusted_proxies=settings.trusted_proxies
-    )
+    raw = {op.path: openapi.operation(op.summary, op.operation_id, op.model) for op in inference.OPERATIONS}
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn], raw)
+    limit, proxies = settings.max_body_bytes, settings.trusted_proxies
+    app.add_middleware(GatewayMiddleware, max_body_bytes=limit, trusted_proxies=proxies)
+    if worker is not None:
+        app.add_middleware(WorkerHeader)
+    for op in inference.OPERATIONS:
+        fast: ASGIApp = GatewayMiddleware(
+            inference.endpoint(op), max_body_bytes=limit, trusted_proxies=proxies
+        )
+        app.fast_routes[op.path] = WorkerHeader(fast) if worker is not None else fast
     return app
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, but for the inference routes, which go straight to their own middleware and handler
+    (routes/inference.py): FastAPI's middleware stack, router and dependency injection cost a third
+    of the gateway's CPU per proxied request, and those routes need none of them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fast_routes: dict[str, ASGIApp] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_routes.get(scope["path"]) if scope["type"] == "http" else None
+        if fast is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self  # where the handlers find app.state, as under Starlette
+        await fast(scope, receive, send)

@@ -8,6 +8,7 @@ is believed only when the peer is a configured trusted proxy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -82,6 +83,7 @@ def client_address(scope: Mapping[str, Any], headers: Mapping[bytes, bytes], net
     return peer
 
 
+@functools.lru_cache(maxsize=4096)  # parsing an address costs more than the rest of the check
 def limit_key(addr: str) -> str:
     """The rate-limit bucket of an address: itself for IPv4, its /64 for IPv6 (one client holds a
     whole /64 and could rotate through it)."""

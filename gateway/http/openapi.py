@@ -20,13 +20,24 @@ def json_body(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
     return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
 
 
-def install(app: FastAPI, models: list[type[BaseModel]]) -> None:
+def operation(summary: str, operation_id: str, model: type[BaseModel]) -> dict[str, Any]:
+    """A POST operation for a raw ASGI route (FastAPI documents only its own routes)."""
+    ok = {"description": "Successful Response", "content": {"application/json": {"schema": {}}}}
+    return {"summary": summary, "operationId": operation_id, **json_body(model), "responses": {"200": ok}}
+
+
+def install(
+    app: FastAPI, models: list[type[BaseModel]], raw: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """`raw`: operations of routes FastAPI does not see, by path (listed first, as they are served)."""
     base = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         spec = base()
+        if raw:
+            spec["paths"] = {**{path: {"post": op} for path, op in raw.items()}, **spec.get("paths", {})}
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         for model in models:
             schema = model.model_json_schema(ref_template=REF, mode="validation")

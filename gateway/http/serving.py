@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from specgate.gateway.backends.base import Backend, BackendCall, Kind, Observation
+from specgate.gateway.backends.base import Backend, BackendCall, Kind, Observation, RelayedChunk
 from specgate.gateway.http.responses import SafeJSONResponse
 from specgate.gateway.http.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
 from specgate.gateway.protocol.errors import GatewayError
@@ -97,7 +97,9 @@ async def _events(
             final = (choices and choices[0].get("finish_reason")) or (not choices and chunk.get("usage"))
             if final and ("metrics" not in chunk or external):
                 chunk["metrics"] = _external_metrics(call, chunk.get("metrics"))
-            yield sse(chunk)
+                yield sse(chunk)
+            else:  # an upstream's event goes on as the bytes it came as, if it has them
+                yield chunk.event if isinstance(chunk, RelayedChunk) else sse(chunk)
             chunk = await anext(rest, None)
         done.completed = True  # everything is out but the end marker
         yield DONE

@@ -8,8 +8,10 @@ still fails is a bug, and the writer quarantines it rather than retrying it fore
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, String, Table
@@ -31,19 +33,39 @@ def clean_text(value: str, limit: int | None = None) -> str:
 def clean_json(value: Any, depth: int = 0) -> Any:
     if depth > MAX_JSON_DEPTH:
         return None
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value if INT64[0] <= value <= INT64[1] else None
-    if isinstance(value, float):
+    kind = type(value)
+    # The common cases first, by exact type: this runs for every value of every JSON column.
+    if kind is float:
         return value if math.isfinite(value) else None
-    if isinstance(value, str):
-        return clean_text(value, MAX_JSON_BYTES)
+    if kind is str:
+        return (
+            value
+            if value.isascii() and "\x00" not in value and len(value) <= MAX_JSON_BYTES
+            else (clean_text(value, MAX_JSON_BYTES))
+        )
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        return value if INT64[0] <= value <= INT64[1] else None
     if isinstance(value, dict):
-        return {clean_text(str(k), 256): clean_json(v, depth + 1) for k, v in value.items()}
+        return {_json_key(k): clean_json(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [clean_json(v, depth + 1) for v in value]
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):  # numpy integers and other int subclasses
+        return clean_json(int(value), depth)
+    if isinstance(value, float):
+        return clean_json(float(value), depth)
+    if isinstance(value, str):
+        return clean_text(str(value), MAX_JSON_BYTES)
     return clean_text(str(value), 256)
+
+
+def _json_key(key: Any) -> str:
+    if type(key) is str and len(key) <= 256 and key.isascii() and "\x00" not in key:
+        return key
+    return clean_text(str(key), 256)
 
 
 def _json_column(value: Any) -> Any:
@@ -75,25 +97,40 @@ def _float(value: Any) -> float | None:
 
 
 def fit_value(column_type: Any, value: Any) -> Any:
-    if value is None:
-        return None
+    return None if value is None else _fitter(column_type)(value)
+
+
+def _fitter(column_type: Any) -> Callable[[Any], Any]:
+    """The function that fits a (non-None) value to a column of this type."""
     if isinstance(column_type, Boolean):
-        return bool(value)
+        return bool
     if isinstance(column_type, BigInteger):
-        return _int(value, INT64)
+        return functools.partial(_int, bounds=INT64)
     if isinstance(column_type, Integer):
-        return _int(value, INT32)
+        return functools.partial(_int, bounds=INT32)
     if isinstance(column_type, Float):
-        return _float(value)
+        return _float
     if isinstance(column_type, String):  # Text too
-        return clean_text(value if isinstance(value, str) else str(value), column_type.length)
+        length = column_type.length
+        return lambda v: clean_text(v if isinstance(v, str) else str(v), length)
     if isinstance(column_type, JSON):
-        return _json_column(value)
+        return _json_column
     if isinstance(column_type, DateTime):
-        return _float(value)  # unix seconds here; turned into datetimes by rows.to_sql
-    return value
+        return _float  # unix seconds here; turned into datetimes by rows.to_sql
+    return lambda v: v
+
+
+@functools.cache
+def _fitters(table: Table) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    # Decided once per table, not per value: the writer fits ~50 columns of every row it inserts.
+    return tuple((c.name, _fitter(c.type)) for c in table.columns)
 
 
 def fit_row(table: Table, row: dict[str, Any]) -> dict[str, Any]:
     """`row` with every value fitted to its column; keys that are not columns are dropped."""
-    return {c.name: fit_value(c.type, row.get(c.name)) for c in table.columns if c.name in row}
+    out: dict[str, Any] = {}
+    for name, fit in _fitters(table):
+        if name in row:
+            value = row[name]
+            out[name] = None if value is None else fit(value)
+    return out

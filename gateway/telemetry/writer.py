@@ -19,12 +19,10 @@ Spool files left by processes that are gone are adopted and replayed (see `spool
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime as dt
 import json
 import logging
 import os
-import queue
 import random
 import threading
 import time
@@ -38,13 +36,13 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from specgate.gateway.telemetry.fit import clean_text, fit_row
+from specgate.gateway.telemetry.inbox import Inbox, InboxFull
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql, upgrade_row
 from specgate.gateway.telemetry.spool import Orphan, Spool, write_all
 from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 
 logger = logging.getLogger("specgate.telemetry")
-_WAKE: dict[str, Any] = {}  # put on the queue by close() to wake the thread; never written
 ORPHAN_SCAN_INTERVAL = 10.0
 
 
@@ -100,7 +98,7 @@ class TelemetryWriter:
         self.step_sample_rate = step_sample_rate
         self.counters = WriterCounters()
         self.db_up = True
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_queue)
+        self._queue = Inbox(max_queue, batch_size)
         self._overflow: collections.deque[dict[str, Any]] = collections.deque()
         self._stop = threading.Event()
         self._last_retry = 0.0
@@ -118,7 +116,7 @@ class TelemetryWriter:
         self.counters.queued += 1
         try:
             self._queue.put_nowait(entry)
-        except queue.Full:  # the writer is far behind: its thread moves these to the spool
+        except InboxFull:  # the writer is far behind: its thread moves these to the spool
             self._overflow.append(entry)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -129,17 +127,17 @@ class TelemetryWriter:
     def close(self, timeout: float = 30.0) -> None:
         """Flush everything (to the database, or the spool if it is down) and stop."""
         self._stop.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(_WAKE)  # don't sit out the rest of a flush interval
+        self._queue.wake()  # don't sit out the rest of a flush interval
         self._thread.join(timeout)
         self.spool.close()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every submitted row has been written or spooled (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks or self._overflow:
+        while self._queue.unfinished or self._overflow:
             if time.monotonic() > deadline:
                 return False
+            self._queue.wake()  # someone waits on these rows: write them now
             time.sleep(0.005)
         return True
 
@@ -178,8 +176,7 @@ class TelemetryWriter:
             try:
                 self._write(batch)
             finally:
-                for _ in batch:
-                    self._queue.task_done()
+                self._queue.done(len(batch))
         elif self.counters.spool_backlog:
             self._maybe_replay()
         if time.monotonic() - self._last_scan >= ORPHAN_SCAN_INTERVAL:
@@ -195,22 +192,9 @@ class TelemetryWriter:
         self._to_spool(entries)
 
     def _take(self) -> list[dict[str, Any]]:
-        batch: list[dict[str, Any]] = []
-        deadline = time.monotonic() + self.flush_interval
-        while len(batch) < self.batch_size:
-            remaining = deadline - time.monotonic()
-            try:
-                if self._stop.is_set() or remaining <= 0:
-                    item = self._queue.get_nowait()
-                else:
-                    item = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if item is _WAKE:
-                self._queue.task_done()
-                continue
-            batch.append(item)
-        return batch
+        if not self._stop.is_set():
+            self._queue.wait(self.flush_interval)
+        return self._queue.take(self.batch_size)
 
     def _write(self, batch: list[dict[str, Any]]) -> None:
         if self.counters.spool_backlog and not self._maybe_replay():

@@ -50,7 +50,9 @@ def start_gateway(
     port = settings.port or free_port()
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings, **kw)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -9,7 +9,7 @@ import pytest
 
 from specgate.policies import dataset
 from specgate.policies.classes import WORKLOAD_CLASSES
-from specgate.policies.classifier import WorkloadClassifier
+from specgate.policies.classifier import ScoreCache, WorkloadClassifier
 from specgate.policies.classifier_training import evaluate, fit, row_info, split_by_group
 from specgate.policies.features import structural
 from specgate.policies.request import HEAD_CHARS, TAIL_CHARS, RequestInfo
@@ -115,3 +115,39 @@ def test_classification_reads_a_bounded_slice_of_any_prompt(shipped: WorkloadCla
 def test_missing_artifact_names_the_command(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="train-classifier"):
         WorkloadClassifier.load(tmp_path / "none.npz")
+
+
+def test_score_cache_gives_the_uncached_answer_and_stays_bounded() -> None:
+    clf = WorkloadClassifier.load()
+    clf.cache = ScoreCache(2)
+    a = RequestInfo(text="def f(x):\n    return x + 1\n\nAdd type hints.", last_user="Add type hints.")
+    b = RequestInfo(text="Translate to French: good morning", last_user="Translate to French: good morning")
+    # Same opening text, different structure: the dense features are never taken from the cache.
+    a_q = RequestInfo(text=a.text, last_user="Add type hints?")
+    expected = {id(r): clf.model.predict_proba(r.classifier_text(), structural(r)) for r in (a, b, a_q)}
+    first = clf.text_probs(a)
+    assert clf.cache.misses == 1 and clf.cache.hits == 0
+    again = clf.text_probs(a)
+    assert clf.cache.hits == 1 and np.array_equal(first, again)
+    assert np.allclose(first, expected[id(a)], rtol=0, atol=1e-12)
+    assert np.allclose(clf.text_probs(b), expected[id(b)], rtol=0, atol=1e-12)
+    probs_q = clf.text_probs(a_q)
+    assert np.allclose(probs_q, expected[id(a_q)], rtol=0, atol=1e-12)
+    if a_q.classifier_text() == a.classifier_text():
+        assert not np.array_equal(probs_q, first)  # ends_with_question differs
+    clf.text_probs(RequestInfo(text="a third text", last_user="a third text"))
+    assert len(clf.cache._entries) == 2  # the least recently used went
+    cached = next(iter(clf.cache._entries.values()))
+    with pytest.raises(ValueError):
+        cached[0] = 1.0  # read-only: no request can change the scores another request reads
+
+
+def test_a_repeated_request_gets_the_same_answer_and_its_own_copy() -> None:
+    clf = WorkloadClassifier.load()
+    info = RequestInfo(text="Summarize this article in three bullet points: ...", last_user="Summarize ...")
+    first = clf.classify(info)
+    first.probs["code"] = 99.0  # a caller scribbling on its answer
+    second = clf.classify(info)
+    assert clf.answers.hits == 1 and second.probs["code"] != 99.0
+    fresh = WorkloadClassifier(clf.model).classify(info)
+    assert (second.label, second.confidence, second.probs) == (fresh.label, fresh.confidence, fresh.probs)

@@ -70,6 +70,7 @@ def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_pat
     config = tmp_path / "specgate.toml"
     config.write_text(
         'api_keys = ["from-file"]\n'
+        "refused_rpm = 6\n"  # one refusal per ten seconds
         "[embedded]\n"
         f'model = "{tiny_llama_dir}"\n'
         'served_model_name = "tiny"\n'
@@ -108,6 +109,12 @@ def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_pat
         assert ready["status"] == "ready"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        # X-Forwarded-For from a peer that is no configured proxy is the client's own claim: it
+        # buys no fresh refusal budget (uvicorn would take it from any loopback peer).
+        spoofed = httpx.get(
+            f"{url}/v1/models", headers={"authorization": "Bearer wrong", "x-forwarded-for": "203.0.113.9"}
+        )
+        assert spoofed.status_code == 429, spoofed.text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
