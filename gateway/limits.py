@@ -1,6 +1,9 @@
 """Rate limits: a token bucket per key (an API key, or a client address), with bounded state.
 
 Framework-free: the HTTP layer decides what the key is (auth.py) and turns a refusal into a 429.
+`RateLimiter` keeps its buckets in this process; with several worker processes the gateway uses
+`shared_limits.SharedRateLimiter` instead, whose buckets live in shared memory so the workers
+enforce one limit between them, not one each. Both are a `Limiter`.
 """
 
 from __future__ import annotations
@@ -9,10 +12,36 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specgate.gateway.protocol.errors import GatewayError
 
 MAX_BUCKETS = 65_536  # limiter state is bounded: least recently seen keys are forgotten first
+
+
+class Limiter(Protocol):
+    """A token bucket per key, `rpm` requests per minute (0 or less: no limit)."""
+
+    @property
+    def rpm(self) -> float: ...
+
+    def take(self, key: str, now: float | None = None) -> float: ...
+
+    def wait(self, key: str, now: float | None = None) -> float: ...
+
+    def check(self, key: str, now: float | None = None) -> None: ...
+
+
+def seconds_until_token(tokens: float, rate: float) -> float:
+    """Seconds until a bucket holding `tokens` and refilling `rate` a second has a whole one (0.0:
+    it has one now). Whole seconds: they become a Retry-After header."""
+    return 0.0 if tokens >= 1.0 else math.ceil((1.0 - tokens) / rate)
+
+
+def rate_limited(rpm: float, wait: float) -> GatewayError:
+    return GatewayError(
+        429, f"Rate limit reached: {rpm} requests per minute.", code="rate_limit_exceeded", retry_after=wait
+    )
 
 
 @dataclass(slots=True)
@@ -56,8 +85,7 @@ class RateLimiter:
         return min(self.burst, b.tokens + (now - b.updated) * self.rate)
 
     def _wait(self, tokens: float) -> float:
-        """Seconds until a bucket holding `tokens` has a whole one (0.0: it has one now)."""
-        return 0.0 if tokens >= 1.0 else math.ceil((1.0 - tokens) / self.rate)
+        return seconds_until_token(tokens, self.rate)
 
     def take(self, key: str, now: float | None = None) -> float:
         """Spend one token; 0.0 if there was one, else the seconds until there will be."""
@@ -79,12 +107,7 @@ class RateLimiter:
     def check(self, key: str, now: float | None = None) -> None:
         wait = self.take(key, now)
         if wait:
-            raise GatewayError(
-                429,
-                f"Rate limit reached: {self.rpm} requests per minute.",
-                code="rate_limit_exceeded",
-                retry_after=wait,
-            )
+            raise rate_limited(self.rpm, wait)
 
 
 @dataclass(slots=True)
@@ -92,7 +115,7 @@ class RefusalBudget:
     """Refused requests (401, 413) per client address: once an address has spent its budget, every
     request from it is answered 429 until the bucket refills, before its key or body is looked at."""
 
-    limiter: RateLimiter
+    limiter: Limiter
 
     def exhausted(self, addr: str, now: float | None = None) -> bool:
         return self.limiter.wait(addr, now) > 0

@@ -11,18 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx2
-
 from specgate.gateway.backends.registry import BackendRegistry
-from specgate.gateway.limits import RateLimiter, RefusalBudget
+from specgate.gateway.backends.upstream_client import UpstreamClient
+from specgate.gateway.limits import Limiter, RateLimiter, RefusalBudget
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.routing.static import Router, StaticRouter
 from specgate.gateway.settings import Settings
+from specgate.gateway.shared_limits import attached
 from specgate.gateway.telemetry.metrics import Metrics
 from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
 from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord, settle
 from specgate.gateway.telemetry.store import TelemetryStore
+from specgate.gateway.worker_context import WorkerContext
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
 from specgate.policies.load import BackendLoad, LoadSignals
 
@@ -34,13 +35,13 @@ ReadinessCheck = Callable[[], Awaitable[tuple[bool, str]]]
 @dataclass
 class Services:
     settings: Settings
-    client: httpx2.AsyncClient
+    client: UpstreamClient
     registry: BackendRegistry
     router: Router
     metrics: Metrics
     recent: MemorySink  # the latest records, in memory
     store: TelemetryStore | None  # durable rows (SQLite / PostgreSQL)
-    limiter: RateLimiter
+    limiter: Limiter  # RateLimiter, or in a worker the one shared by all (shared_limits.py)
     refusals: RefusalBudget  # 401 / 413 answers per client address
     policy: PolicyManager | None = None  # None: the static router
     extra_sinks: list[RecordSink] = field(default_factory=list)
@@ -48,13 +49,23 @@ class Services:
     readiness: dict[str, ReadinessCheck] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     api_keys: list[str] = field(default_factory=list)  # the accepted /v1 keys, read once
+    worker: WorkerContext | None = None  # set in a worker of `serve --workers N`: what it shares
 
     @classmethod
-    def build(cls, settings: Settings, cache_dir: str | None, sink: RecordSink | None = None) -> Services:
+    def build(
+        cls,
+        settings: Settings,
+        cache_dir: str | None,
+        sink: RecordSink | None = None,
+        worker: WorkerContext | None = None,
+    ) -> Services:
         # One pooled client for every external backend; per-backend timeouts are set per request.
-        client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=200))
-        registry = BackendRegistry.from_settings(settings, client, cache_dir)
-        store = TelemetryStore(settings.telemetry) if settings.telemetry.enabled else None
+        client = UpstreamClient(max_connections=1000)
+        engine_socket = worker.engine_socket if worker is not None else None
+        registry = BackendRegistry.from_settings(settings, client, cache_dir, engine_socket)
+        relay = worker.telemetry_socket if worker is not None else None  # the supervisor's one writer
+        store = TelemetryStore(settings.telemetry, relay) if settings.telemetry.enabled else None
+        shared = attached(worker.shared_limits if worker is not None else None)
         policy: PolicyManager | None = None
         router: Router = StaticRouter(settings, registry)
         if settings.policy.enabled:
@@ -68,19 +79,20 @@ class Services:
             client=client,
             registry=registry,
             router=router,
-            metrics=Metrics(),
+            metrics=Metrics(multiprocess=worker is not None and worker.metrics_dir is not None),
             recent=MemorySink(),
             store=store,
-            limiter=RateLimiter(settings.rate_limit_rpm),
-            refusals=RefusalBudget(RateLimiter(settings.refused_rpm)),
+            limiter=shared.api if shared else RateLimiter(settings.rate_limit_rpm),
+            refusals=RefusalBudget(shared.refusals if shared else RateLimiter(settings.refused_rpm)),
             policy=policy,
             extra_sinks=[sink] if sink is not None else [],
             api_keys=[k.get_secret_value() for k in settings.api_keys],
+            worker=worker,
         )
         services.metrics.models = registry.models
         if store is not None:
             services.readiness["store"] = store.ready
-            services.metrics.watch_writer(store.writer.counters, store.writer.queue_size)
+            services.metrics.watch_writer(store.counters, store.queue_size)
         return services
 
     def complete(self, record: RequestRecord, status: int | None, escaped: BaseException | None) -> None:
@@ -122,7 +134,8 @@ class Services:
             await asyncio.to_thread(self.store.open)
         if self.policy is not None:
             await asyncio.to_thread(self.policy.load)  # warm start from the active version
-            self.policy.start()
+            # Every worker follows the active version; one retrains on schedule, not N.
+            self.policy.start(retrain=self.worker is None or self.worker.index == 0)
         await self.registry.start()
 
     async def close(self) -> None:

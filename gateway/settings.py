@@ -171,6 +171,9 @@ class PolicySettings(BaseModel):
     train_window_hours: float = Field(168.0, gt=0.0)
     holdout_share: float = Field(0.2, gt=0.0, lt=0.9)
     seed: int | None = None  # exploration randomness; set for reproducible benchmarks
+    # How often (seconds) a gateway with a telemetry database asks it which policy version is
+    # active, and installs it if another worker or replica changed it (an edit, rollback, retrain).
+    sync_interval: float = Field(2.0, gt=0.0)
 
 
 class UISettings(BaseModel):
@@ -194,6 +197,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # `specgate serve`: gateway processes sharing the port, one engine core, one /metrics view
+    # (gateway/cli/workers.py). 1: one process, as before.
+    workers: int = Field(1, ge=1, le=64)
     api_keys: list[SecretStr] = Field(default_factory=list)  # empty: /v1 is open
     admin_key: SecretStr | None = None  # None: /admin is closed
     max_body_bytes: int = Field(4 * 2**20, ge=1024)

@@ -7,11 +7,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import httpx2
-
 from specgate.gateway.backends.base import Backend
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
 from specgate.gateway.backends.openai_http import OpenAIBackend
+from specgate.gateway.backends.upstream_client import UpstreamClient
 from specgate.gateway.settings import Settings
 
 logger = logging.getLogger("specgate.gateway")
@@ -27,11 +26,16 @@ class BackendRegistry:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, client: httpx2.AsyncClient, cache_dir: str | None
+        cls,
+        settings: Settings,
+        client: UpstreamClient,
+        cache_dir: str | None,
+        engine_socket: str | None = None,
     ) -> BackendRegistry:
+        """`engine_socket`: the shared engine core of `serve --workers N` (None: this gateway's own)."""
         backends: list[Backend] = []
         if settings.embedded.enabled:
-            backends.append(EmbeddedBackend(settings.embedded, cache_dir))
+            backends.append(EmbeddedBackend(settings.embedded, cache_dir, engine_socket))
         backends.extend(OpenAIBackend(b, client) for b in settings.backends)
         return cls(backends)
 

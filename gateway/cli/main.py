@@ -116,7 +116,7 @@ def serve_settings(args: argparse.Namespace) -> Settings:
     """The settings `serve` runs with: the config file and environment, then the flags given."""
     from specgate.gateway.settings import Settings
 
-    overrides = {"host": args.host, "port": args.port}
+    overrides = {"host": args.host, "port": args.port, "workers": args.workers}
     settings = Settings.load(args.config, **overrides)
     embedded = {
         k: v
@@ -154,7 +154,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = serve_settings(args)
     if settings.telemetry.enabled:
-        _preflight_schema(settings)
+        _preflight_schema(settings, upgrade=settings.workers > 1)
+    if settings.workers > 1:
+        from specgate.gateway.cli.worker_process import WorkerOptions
+        from specgate.gateway.cli.workers import serve_workers
+
+        return serve_workers(settings, WorkerOptions(default_cache_dir(), verbose=args.verbose))
     app = create_app(settings, cache_dir=default_cache_dir())
     uvicorn.run(
         app,
@@ -164,19 +169,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.verbose,
         timeout_graceful_shutdown=10,
         timeout_keep_alive=settings.keep_alive_timeout,
+        # X-Forwarded-For is the gateway's to judge (settings.trusted_proxies): uvicorn would trust
+        # it from any loopback peer, letting a local client pose as any address.
+        proxy_headers=False,
     )
     return 0
 
 
-def _preflight_schema(settings: Settings) -> None:
-    """Refuse to start on an outdated telemetry schema with a message, not a traceback."""
+def _preflight_schema(settings: Settings, *, upgrade: bool = False) -> None:
+    """Refuse to start on an outdated telemetry schema with a message, not a traceback. `upgrade`
+    (serve --workers N): also upgrade it here where the store would (the embedded default), once,
+    so that the workers' stores find it at head instead of racing through one upgrade."""
     from specgate.gateway.telemetry.schema import SchemaOutdatedError, ensure_schema
     from specgate.gateway.telemetry.store import TelemetryStore
 
     store = TelemetryStore(settings.telemetry)
     try:
-        if not store.auto_upgrade:
-            ensure_schema(store.engine, store.url, auto_upgrade=False)
+        if upgrade or not store.auto_upgrade:
+            ensure_schema(store.engine, store.url, auto_upgrade=store.auto_upgrade)
     except SchemaOutdatedError as exc:
         raise ValueError(str(exc)) from None
     except Exception:
@@ -282,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-thread",
         action="store_true",
         help="run the embedded engine in a thread of the server, not its own process",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes sharing the port and one engine core (default 1, or SPECGATE_WORKERS)",
     )
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     serve.set_defaults(func=cmd_serve)

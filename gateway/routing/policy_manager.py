@@ -1,7 +1,11 @@
 """The active routing policy: loaded from its version row at start (warm start), swapped atomically
 on an operator's edit, a retrain that wins its evaluation, or a rollback.
 
-Every change is a new `policy_versions` row, so any earlier routing can be restored exactly.
+Every change is a new `policy_versions` row, so any earlier routing can be restored exactly. With a
+telemetry database several processes route by the same versions (the workers of `serve --workers
+N`, replicas on one PostgreSQL): each asks the database every `sync_interval` seconds which version
+is active (one indexed query, in a thread) and installs it when it is not the one it routes by, so
+a change made through any of them is live in all within a few seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class PolicyManager:
         self.budget = ExplorationBudget(self.state.rules.exploration_cap)
         self.policy: Policy = self.state.build(self.budget, settings.seed)
         self._lock = asyncio.Lock()  # one change at a time; routing never waits on it
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # ---- routing (event loop, no I/O) ---------------------------------------------------------
 
@@ -84,6 +88,8 @@ class PolicyManager:
 
     async def update_rules(self, rules: RuleConfig, note: str | None) -> Version:
         async with self._lock:
+            if self.persistent:
+                await self._follow()  # the new rules go on the latest model, wherever it was made
             state = PolicyState(rules, self.state.model, self.state.priors)
             return await asyncio.to_thread(self._add_active, state, "edit", note)
 
@@ -115,6 +121,7 @@ class PolicyManager:
             )
         hours = window_hours or self.settings.train_window_hours
         async with self._lock:
+            await self._follow()  # compared with, and built on, the version active now
             rows = await asyncio.to_thread(self.store.training_rows, time.time() - hours * 3600)
             try:
                 result = await asyncio.to_thread(
@@ -148,16 +155,56 @@ class PolicyManager:
                 **result.as_dict(),
             }
 
+    # ---- following the database ---------------------------------------------------------------
+
+    async def sync(self) -> bool:
+        """Install the database's active version if it is not ours; whether it did."""
+        active = await asyncio.to_thread(self.store.active_version)
+        if active is None or active == self.version:
+            return False
+        async with self._lock:  # not halfway through a change of our own
+            return await self._follow()
+
+    async def _follow(self) -> bool:
+        """Under the lock: install the active version if another process changed it."""
+        row = await asyncio.to_thread(self.store.active)
+        if row is None or int(row["version"]) == self.version:
+            return False
+        before = self.version
+        self._install(row)
+        logger.info("routing policy version %s (%s) active, was %s", self.version, self.state.kind, before)
+        return True
+
+    async def _sync_loop(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.settings.sync_interval)
+            try:
+                await self.sync()
+            except Exception:  # the database may be down for a while: keep routing, ask again
+                if not failing:
+                    logger.warning("cannot read the active policy version; will retry", exc_info=True)
+                failing = True
+            else:
+                failing = False
+
     # ---- periodic retraining ------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self.settings.retrain_interval > 0 and self.persistent:
-            self._task = asyncio.create_task(self._retrain_loop())
+    def start(self, retrain: bool = True) -> None:
+        """Start following the database and, if `retrain` (one process of several retrains on
+        schedule, not each), the scheduled retrains. Only with a database: in memory there is
+        nobody to follow and nothing to learn from."""
+        if not self.persistent:
+            return
+        self._tasks.append(asyncio.create_task(self._sync_loop()))
+        if retrain and self.settings.retrain_interval > 0:
+            self._tasks.append(asyncio.create_task(self._retrain_loop()))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
 
     async def _retrain_loop(self) -> None:
         while True:

@@ -1,5 +1,12 @@
 """Prometheus metrics, one registry per app (no process-wide singletons, so apps in tests are independent).
 
+In a worker of `specgate serve --workers N` (`multiprocess=True`), prometheus_client keeps every
+value in a file of this process under PROMETHEUS_MULTIPROC_DIR (set by the supervisor before the
+worker imported prometheus_client), and `render` shows the sum over all the workers, the live and
+the dead: any worker's /metrics counts every request. Gauges say how they combine: requests in
+flight add up over the live workers; the engine's gauges are one engine's (the core is shared, so
+the most recent worker's reading, not N times it); a backend's health is the scraping worker's view.
+
 Label values come only from bounded sets: configured backends, the models they serve (anything else
 a client names is `unknown`), endpoints, statuses, classes and arms. Nothing a client sends
 unauthenticated can mint a new series or put a string Prometheus cannot encode into the output.
@@ -8,12 +15,13 @@ unauthenticated can mint a new series or put a string Prometheus cannot encode i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specgate.gateway.telemetry.multiproc import multiprocess_view
 from specgate.gateway.telemetry.records import RequestRecord
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -26,12 +34,24 @@ MAX_MODEL_LABELS = 512  # served models beyond this many share the label "other"
 MAX_COUNT = 2**31 - 1  # the most tokens one request may add to a counter
 
 
+GaugeMode = Literal["livesum", "livemostrecent"]
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, *, multiprocess: bool = False) -> None:
         # The models backends serve now (set by Services); label values for `model`.
         self.models: Callable[[], Mapping[str, Any]] = dict
         self._model_labels: set[str] = set()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
+        # What /metrics shows: this app's registry, or (multiprocess) every worker's files plus this
+        # worker's own collectors (the telemetry writer's counters).
+        self.view = multiprocess_view() if multiprocess else r
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = (), *, mode: GaugeMode) -> Gauge:
+            # The mode matters only in multiprocess mode (the default would show one series per pid).
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode=mode)
+
         self.requests = Counter(
             "specgate_requests",
             "Requests by endpoint, model, backend and HTTP status",
@@ -96,23 +116,24 @@ class Metrics:
             buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
             registry=r,
         )
-        self.queue_depth = Gauge(
-            "specgate_engine_queue_depth", "Requests waiting for a batch slot", registry=r
+        one: GaugeMode = "livemostrecent"  # the engine is shared: one value whichever worker read it
+        self.queue_depth = gauge("specgate_engine_queue_depth", "Requests waiting for a batch slot", mode=one)
+        self.batch_size = gauge("specgate_engine_batch_size", "Requests running in the engine", mode=one)
+        self.kv_usage = gauge("specgate_engine_kv_usage", "Fraction of KV-cache blocks in use", mode=one)
+        self.kv_blocks = gauge(
+            "specgate_engine_kv_blocks_used", "KV-cache blocks held by requests (0 when idle)", mode=one
         )
-        self.batch_size = Gauge("specgate_engine_batch_size", "Requests running in the engine", registry=r)
-        self.kv_usage = Gauge("specgate_engine_kv_usage", "Fraction of KV-cache blocks in use", registry=r)
-        self.kv_blocks = Gauge(
-            "specgate_engine_kv_blocks_used", "KV-cache blocks held by requests (0 when idle)", registry=r
+        self.in_flight = gauge("specgate_in_flight_requests", "Requests being served now", mode="livesum")
+        # Each worker has its own breakers and upstream connections: health is the scraping
+        # worker's view; in-flight counts are summed (as of each worker's latest scrape).
+        self.backend_up = gauge(
+            "specgate_backend_up", "1 if the backend takes traffic", ("backend",), mode=one
         )
-        self.in_flight = Gauge("specgate_in_flight_requests", "Requests being served now", registry=r)
-        self.backend_up = Gauge(
-            "specgate_backend_up", "1 if the backend takes traffic", ["backend"], registry=r
+        self.backend_in_flight = gauge(
+            "specgate_backend_in_flight", "Requests in flight per backend", ("backend",), mode="livesum"
         )
-        self.backend_in_flight = Gauge(
-            "specgate_backend_in_flight", "Requests in flight per backend", ["backend"], registry=r
-        )
-        self.breaker_open = Gauge(
-            "specgate_backend_breaker_open", "1 while the backend's breaker is open", ["backend"], registry=r
+        self.breaker_open = gauge(
+            "specgate_backend_breaker_open", "1 while the backend's breaker is open", ("backend",), mode=one
         )
         self.retries = Counter(
             "specgate_backend_attempts", "Upstream attempts, retries included", ["backend"], registry=r
@@ -134,32 +155,41 @@ class Metrics:
     def observe(self, rec: RequestRecord) -> None:
         backend = rec.backend or "none"
         model = self.model_label(rec.model)
-        self.requests.labels(rec.endpoint, model, backend, str(rec.status), rec.outcome).inc()
+        self._child(self.requests, rec.endpoint, model, backend, str(rec.status), rec.outcome).inc()
         if rec.overhead_ms is not None:
-            self.overhead.labels(rec.endpoint).observe(rec.overhead_ms / 1e3)
+            self._child(self.overhead, rec.endpoint).observe(rec.overhead_ms / 1e3)
         route = rec.route
         if rec.workload_class is not None and route is not None and route.arm:
             explored = str(route.explored).lower()
-            self.routes.labels(rec.workload_class, route.arm, route.policy, explored).inc()
+            self._child(self.routes, rec.workload_class, route.arm, route.policy, explored).inc()
         if rec.backend and rec.attempts:
-            self.retries.labels(rec.backend).inc(rec.attempts)
+            self._child(self.retries, rec.backend).inc(rec.attempts)
         self._observe_prefix_cache(rec, model, backend)
         if rec.outcome != "ok":
             return
         for value, hist in ((rec.ttft_ms, self.ttft), (rec.tpot_ms, self.tpot), (rec.e2e_ms, self.e2e)):
             if value is not None:
-                hist.labels(model, backend).observe(value / 1e3)
+                self._child(hist, model, backend).observe(value / 1e3)
         if _is_count(rec.prompt_tokens) and rec.prompt_tokens:
-            self.tokens.labels(model, "prompt").inc(rec.prompt_tokens)
+            self._child(self.tokens, model, "prompt").inc(rec.prompt_tokens)
         if _is_count(rec.completion_tokens) and rec.completion_tokens:
-            self.tokens.labels(model, "completion").inc(rec.completion_tokens)
+            self._child(self.tokens, model, "completion").inc(rec.completion_tokens)
         spec = rec.spec or {}
         method = spec.get("method")
         if method:
-            self.draft_tokens.labels(model, method).inc(spec.get("num_draft_tokens") or 0)
-            self.accepted_tokens.labels(model, method).inc(spec.get("num_accepted_tokens") or 0)
+            self._child(self.draft_tokens, model, method).inc(spec.get("num_draft_tokens") or 0)
+            self._child(self.accepted_tokens, model, method).inc(spec.get("num_accepted_tokens") or 0)
             if spec.get("num_drafts") and spec.get("mean_acceptance_length"):
-                self.acceptance_length.labels(model, method).observe(spec["mean_acceptance_length"])
+                self._child(self.acceptance_length, model, method).observe(spec["mean_acceptance_length"])
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus_client validates and locks on every call,
+        and a request observes about ten series. Bounded: every label value comes from a bounded set."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _observe_prefix_cache(self, rec: RequestRecord, model: str, backend: str) -> None:
         """Any outcome counts: the lookup happened when the prompt was scheduled. Only counts a
@@ -185,10 +215,13 @@ class Metrics:
 
     def watch_writer(self, counters: Any, queue_size: Callable[[], int]) -> None:
         """Export the telemetry writer's counters (read at scrape time, no locking needed)."""
-        self.registry.register(_WriterCollector(counters, queue_size))
+        collector = _WriterCollector(counters, queue_size)
+        self.registry.register(collector)
+        if self.view is not self.registry:
+            self.view.register(collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.view)
 
 
 def _is_count(value: object) -> TypeGuard[int]:

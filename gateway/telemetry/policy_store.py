@@ -39,6 +39,7 @@ def _public(row: dict[str, Any]) -> Version:
 
 class PolicyStore(Protocol):
     def active(self) -> Version | None: ...
+    def active_version(self) -> int | None: ...
     def get(self, version: int) -> Version | None: ...
     def recent(self, limit: int) -> list[Version]: ...
     def add(self, values: dict[str, Any]) -> int: ...
@@ -63,6 +64,15 @@ class SqlPolicyStore:
                 .first()
             )
         return _public(dict(row)) if row else None
+
+    def active_version(self) -> int | None:
+        """The active version's number alone (cheap enough to ask every few seconds)."""
+        t = policy_versions
+        with self.engine.connect() as conn:
+            version = conn.execute(
+                select(t.c.version).where(t.c.status == "active").order_by(t.c.version.desc()).limit(1)
+            ).scalar()
+        return None if version is None else int(version)
 
     def get(self, version: int) -> Version | None:
         with self.engine.connect() as conn:
@@ -152,6 +162,10 @@ class MemoryPolicyStore:
 
     def active(self) -> Version | None:
         return next((dict(r) for r in reversed(self._rows) if r["status"] == "active"), None)
+
+    def active_version(self) -> int | None:
+        row = self.active()
+        return None if row is None else int(row["version"])
 
     def get(self, version: int) -> Version | None:
         return next((dict(r) for r in self._rows if r["version"] == version), None)

@@ -18,6 +18,7 @@ from specgate.engine.spec_decode.params import SpecParams
 from specgate.engine.spec_decode.proposers import proposer_factory
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chunks import ChunkWriter, final_body
+from specgate.gateway.backends.embedded.client import connect
 from specgate.gateway.backends.embedded.handle import EngineHandle
 from specgate.gateway.backends.embedded.messages import EngineUnavailable
 from specgate.gateway.backends.embedded.model_info import ModelInfo
@@ -33,14 +34,20 @@ TOKENIZE_OFF_LOOP_CHARS = 8192  # longer prompts are tokenized in a worker threa
 
 
 class EmbeddedBackend:
-    def __init__(self, settings: EmbeddedSettings, cache_dir: str | None = None) -> None:
+    def __init__(
+        self, settings: EmbeddedSettings, cache_dir: str | None = None, engine_socket: str | None = None
+    ) -> None:
         self.settings = settings
+        # Set in a worker of `serve --workers N`: the shared engine core's socket (EngineClient);
+        # that core is the supervisor's to start and restart, so this backend only reconnects.
+        self.engine_socket = engine_socket
         self.name = settings.name
         self.external = False
         self._cache_dir = settings.convert_cache_dir or cache_dir
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
         self.served_name = settings.served_model_name or source.name
-        # The engine's owner: a thread here (EngineWorker) or an engine-core process (EngineProcess).
+        # The engine's owner: a thread here (EngineWorker), an engine-core process (EngineProcess),
+        # or a connection to the core shared by the workers of `serve --workers N` (EngineClient).
         self.worker: EngineHandle | None = None
         self.model: ModelInfo | None = None  # what requests are validated and tokenized against
         self.load_error: str | None = None
@@ -103,6 +110,7 @@ class EmbeddedBackend:
         self._watchdog = asyncio.create_task(self._watch())
         assert self.model is not None
         cfg, where = self.model.config, "process" if self.settings.engine_process else "thread"
+        where = "shared core" if self.engine_socket is not None else where
         logger.info(
             "embedded engine ready: %s (%s on %s, own %s)", self.served_name, cfg.dtype, cfg.device, where
         )
@@ -111,7 +119,9 @@ class EmbeddedBackend:
         """A new engine owner, its engine loaded (first start, and every restart after one ended)."""
         loop = asyncio.get_running_loop()
         worker: EngineHandle
-        if self.settings.engine_process:
+        if self.engine_socket is not None:
+            worker, info = await connect(self.engine_socket, loop)
+        elif self.settings.engine_process:
             worker = EngineProcess(self._config(), loop)
             try:
                 info = await worker.start()
@@ -131,7 +141,8 @@ class EmbeddedBackend:
 
     async def _watch(self, interval: float = 0.5) -> None:
         """If the engine's owner (thread or process) ever ends on its own, fail its waiters
-        (retryable) and start another; a start that fails is retried with backoff."""
+        (retryable) and start another; a start that fails is retried with backoff. With a shared
+        core, "start another" is connecting again (the supervisor restarts the core itself)."""
         backoff = 1.0
         while not self._closing:
             await asyncio.sleep(interval)

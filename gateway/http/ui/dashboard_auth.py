@@ -18,6 +18,7 @@ from specgate.gateway.http.ui.session import COOKIE, CSRF_HEADER, Session, Sessi
 from specgate.gateway.http.ui.signin_guard import SignInGuard
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import Settings, UISettings
+from specgate.gateway.shared_limits import SharedLimits, attached
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -30,13 +31,15 @@ class DashboardAuth:
     admin_key: str = field(repr=False)
 
     @classmethod
-    def build(cls, settings: Settings) -> DashboardAuth | None:
+    def build(cls, settings: Settings, shared_limits: SharedLimits | None = None) -> DashboardAuth | None:
+        """`shared_limits`: a worker's (see shared_limits.py): sign-ins and sign-outs count for all."""
         if settings.admin_key is None or not settings.ui.enabled:
             return None
         ui, key = settings.ui, settings.admin_key.get_secret_value()
-        return cls(
-            ui, SessionSigner(key, ui.session_ttl), SignInGuard(ui.max_failed_signins, ui.signin_lockout), key
-        )
+        shared = attached(shared_limits)
+        signer = SessionSigner(key, ui.session_ttl, shared.revoked if shared else None)
+        guard = SignInGuard(ui.max_failed_signins, ui.signin_lockout, shared.signins if shared else None)
+        return cls(ui, signer, guard, key)
 
     def is_admin_key(self, presented: str) -> bool:
         return check_key(presented, [self.admin_key])

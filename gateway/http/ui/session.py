@@ -6,6 +6,11 @@ the same cookies, and changing the admin key ends every session at once. The coo
 only an id, its issue and expiry times and a signature. A CSRF token is derived from the session id
 with the same key: it is handed to the page (never set as a cookie), and actions that change
 anything must send it back in a header that a cross-site form cannot set.
+
+Signing out revokes the session id until the cookie would have expired anyway. With one process
+the revoked ids are kept here; with several worker processes (`specgate serve --workers N`) in
+shared memory too (`shared`, shared_limits.py), so a signed-out cookie is refused by every worker,
+not just the one that saw the sign-out.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from specgate.gateway.shared_buckets import SharedRevocations
 
 COOKIE = "specgate_admin"
 CSRF_HEADER = "x-csrf-token"
@@ -42,12 +49,11 @@ class Session:
 
 
 class SessionSigner:
-    def __init__(self, admin_key: str, ttl: float) -> None:
+    def __init__(self, admin_key: str, ttl: float, shared: SharedRevocations | None = None) -> None:
         self._key = hmac.new(admin_key.encode("utf-8", "surrogatepass"), _LABEL, hashlib.sha256).digest()
         self.ttl = ttl
-        # Per process: a signed-out cookie is refused here at once; on other workers its expiry
-        # bounds it (the browser has dropped it anyway).
-        self._revoked: OrderedDict[str, float] = OrderedDict()
+        self._revoked: OrderedDict[str, float] = OrderedDict()  # this process's sign-outs
+        self.shared = shared  # every worker's sign-outs; None: a single-process gateway
 
     def _mac(self, purpose: bytes, payload: bytes) -> bytes:
         return hmac.new(self._key, purpose + b"\x00" + payload, hashlib.sha256).digest()
@@ -80,6 +86,8 @@ class SessionSigner:
         now = time.time() if now is None else now
         if not session.issued - 60 <= now < session.expires or session.sid in self._revoked:
             return None
+        if self.shared is not None and self.shared.revoked(session.sid, now):
+            return None
         return session
 
     def csrf_token(self, session: Session) -> str:
@@ -92,6 +100,8 @@ class SessionSigner:
 
     def revoke(self, session: Session) -> None:
         now = time.time()
+        if self.shared is not None:
+            self.shared.add(session.sid, session.expires)
         self._revoked[session.sid] = session.expires
         while self._revoked and (
             len(self._revoked) > MAX_REVOKED or next(iter(self._revoked.values())) <= now

@@ -2,23 +2,38 @@
 
 After `max_failures` failures within `lockout` seconds an address may not try again until the
 oldest of them is `lockout` seconds old, whatever key it sends (a guesser must not be able to tell
-when it hit). A success clears the address's failures. State is bounded, and per process: with
-several workers an address gets that many tries per worker (the refusal budget of the middleware,
-which counts every 401, bounds it further).
+when it hit). A success clears the address's failures. State is bounded.
+
+With several worker processes (`specgate serve --workers N`) the failures are counted in shared
+memory instead (`shared`: a bucket per address in shared_limits.py, the same for every worker, so
+an address gets `max_failures` tries in all, not per worker). A bucket cannot keep every failure's
+time, so there the limit is the same rate kept differently: `max_failures` tries at once, then one
+more each `lockout / max_failures` seconds (the refusal budget of the middleware, which counts
+every 401, bounds it further in both modes).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
+
+from specgate.gateway.shared_buckets import SharedRateLimiter
 
 MAX_ADDRESSES = 65_536
 
 
 class SignInGuard:
-    def __init__(self, max_failures: int, lockout: float) -> None:
+    def __init__(self, max_failures: int, lockout: float, shared: SharedRateLimiter | None = None) -> None:
+        if max_failures < 1 or lockout <= 0:
+            raise ValueError("a sign-in guard needs max_failures >= 1 and a positive lockout")
+        if shared is not None and not (
+            shared.burst == max_failures and math.isclose(shared.rate, max_failures / lockout)
+        ):
+            raise ValueError("the shared sign-in bucket was made for other limits")
         self.max_failures = max_failures
         self.lockout = lockout
+        self.shared = shared  # the workers' bucket per address; None: the failures below
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
     def _recent(self, addr: str, now: float) -> deque[float]:
@@ -34,6 +49,9 @@ class SignInGuard:
     def retry_after(self, addr: str, now: float | None = None) -> float:
         """0.0 if `addr` may try to sign in now, else the seconds until it may."""
         now = time.monotonic() if now is None else now
+        if self.shared is not None:
+            wait = self.shared.wait(addr, now)
+            return max(1.0, wait) if wait else 0.0
         times = self._recent(addr, now)
         if len(times) < self.max_failures:
             return 0.0
@@ -41,6 +59,9 @@ class SignInGuard:
 
     def failed(self, addr: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if self.shared is not None:
+            self.shared.take(addr, now)
+            return
         times = self._failures.setdefault(addr, deque())
         self._failures.move_to_end(addr)
         times.append(now)
@@ -50,4 +71,6 @@ class SignInGuard:
             self._failures.popitem(last=False)
 
     def succeeded(self, addr: str) -> None:
+        if self.shared is not None:
+            self.shared.reset(addr)
         self._failures.pop(addr, None)

@@ -1,14 +1,18 @@
-"""PolicyManager over a real SQLite database: fresh install, warm start, scheduled retrain, refusals."""
+"""PolicyManager over a real SQLite database: fresh install, warm start, scheduled retrain, refusals;
+several managers on one database (SQLite, PostgreSQL) following each other's changes."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import time
+import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, text
 
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.routing.policy_manager import PolicyManager
@@ -88,3 +92,80 @@ def test_scheduled_retrain_promotes_without_an_operator(engine) -> None:  # type
     asyncio.run(run())
     assert manager.state.kind == "learned"
     assert manager.versions()[-1]["source"] == "default"
+
+
+def _edit(manager: PolicyManager, min_confidence: float) -> None:
+    rules = dataclasses.replace(manager.state.rules, min_confidence=min_confidence)
+    asyncio.run(manager.update_rules(rules, note="edited elsewhere"))
+
+
+def _follows(engine) -> None:  # type: ignore[no-untyped-def]
+    """Two gateways (or two workers) on one database: a change made through either is live in both."""
+    a = PolicyManager(PolicySettings(sync_interval=0.05), SqlPolicyStore(engine), persistent=True)
+    b = PolicyManager(PolicySettings(sync_interval=0.05), SqlPolicyStore(engine), persistent=True)
+    a.load()
+    b.load()
+    assert a.version == b.version == 1
+    assert not asyncio.run(b.sync())  # nothing changed: nothing reinstalled
+    _edit(a, 0.7)
+    assert a.version == 2 and b.version == 1
+    assert asyncio.run(b.sync()) and b.version == 2 and b.state.rules.min_confidence == 0.7
+    _edit(b, 0.8)  # b's edit is on top of what a made
+    assert b.version == 3
+
+    async def follow_a_rollback() -> None:
+        a.start(retrain=False)  # the poll, in the background
+        await b.rollback(2)
+        deadline = time.monotonic() + 5
+        while a.version != b.version and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await a.close()
+
+    asyncio.run(follow_a_rollback())
+    assert a.version == b.version == 4 and a.state.rules.min_confidence == 0.7
+
+
+def test_policy_edits_reach_every_gateway_on_one_sqlite_file(engine) -> None:  # type: ignore[no-untyped-def]
+    _follows(engine)
+
+
+def test_policy_edits_reach_every_gateway_on_one_postgresql() -> None:
+    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
+    try:
+        with psycopg.connect(admin, connect_timeout=3, autocommit=True) as conn:
+            name = f"specgate_test_{uuid.uuid4().hex[:12]}"
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError:
+        pytest.skip("no PostgreSQL server on 127.0.0.1:5432")
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    try:
+        schema.upgrade(url)
+        eng = schema.make_engine(url)
+        try:
+            _follows(eng)
+        finally:
+            eng.dispose()
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_database_that_goes_away_does_not_stop_routing(engine) -> None:  # type: ignore[no-untyped-def]
+    manager = PolicyManager(PolicySettings(sync_interval=0.02), SqlPolicyStore(engine), persistent=True)
+    manager.load()
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE policy_versions"))
+
+    async def run() -> None:
+        manager.start(retrain=False)
+        await asyncio.sleep(0.2)  # the poll fails a few times, quietly
+        assert all(not t.done() for t in manager._tasks)
+        await manager.close()
+
+    asyncio.run(run())
+    assert manager.version == 1
+
+
+def test_sync_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        PolicySettings(sync_interval=0)

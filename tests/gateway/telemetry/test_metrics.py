@@ -4,6 +4,7 @@ backend reported and nothing else, and no value in a record can break /metrics."
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -84,3 +85,16 @@ def test_a_model_nobody_serves_cannot_mint_a_series() -> None:
         (QUERIED, (("backend", "embedded"), ("model", "unknown"))): 10,
         (HITS, (("backend", "embedded"), ("model", "unknown"))): 4,
     }
+
+
+def test_multiprocess_mode_refuses_a_process_where_prometheus_client_started_without_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Set after prometheus_client was imported, the directory would be ignored and /metrics would
+    show one worker's numbers as if they were all of them: refused, loudly. (The aggregation itself
+    needs fresh processes: tests/gateway/cli/test_workers.py.)"""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
+        Metrics(multiprocess=True)
+    single = Metrics()
+    assert single.view is single.registry  # one process: its own registry, as ever

@@ -1,15 +1,18 @@
 """Session cookies and the sign-in guard, without a server: signatures, expiry, revocation, junk;
-the CSRF token; the failed sign-in limit and its lockout."""
+the CSRF token; the failed sign-in limit and its lockout; both shared by worker processes."""
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 
 import pytest
 
 from specgate.gateway.http.ui.session import SessionSigner
 from specgate.gateway.http.ui.signin_guard import SignInGuard
+from specgate.gateway.settings import Settings
+from specgate.gateway.shared_limits import SharedLimits
 
 
 def test_a_cookie_round_trips_and_any_other_key_refuses_it() -> None:
@@ -98,3 +101,41 @@ def test_failed_signins_lock_an_address_out_then_expire() -> None:
     assert guard.retry_after("1.2.3.4", now=71.5) == pytest.approx(61.0 + 60.0 - 71.5)
     guard.succeeded("1.2.3.4")  # a sign-in with the right key, before the limit, clears them
     assert guard.retry_after("1.2.3.4", now=71.5) == 0.0
+
+
+@pytest.fixture
+def shared() -> Iterator[SharedLimits]:
+    handle = SharedLimits.create(Settings(ui={"max_failed_signins": 3, "signin_lockout": 60.0}))
+    yield handle
+    handle.close()
+
+
+def test_a_sign_out_is_seen_by_every_worker(shared: SharedLimits) -> None:
+    # Two workers: two signers over one attachment (as two processes over one segment).
+    a = SessionSigner("adm-1", ttl=3600, shared=shared.attach().revoked)
+    b = SessionSigner("adm-1", ttl=3600, shared=shared.attach().revoked)
+    cookie, session = a.issue()
+    seen = b.verify(cookie)
+    assert seen is not None and seen.sid == session.sid
+    a.revoke(session)
+    assert a.verify(cookie) is None and b.verify(cookie) is None
+    other, _ = b.issue()
+    assert a.verify(other) is not None  # only that session
+
+
+def test_shared_failed_signins_count_across_workers(shared: SharedLimits) -> None:
+    """In worker mode the limit is a bucket: 3 tries at once, then one every 60 / 3 seconds."""
+    guards = [SignInGuard(3, 60.0, shared.attach().signins) for _ in range(2)]  # two workers
+    for t, guard in ((0.0, guards[0]), (1.0, guards[1]), (2.0, guards[0])):
+        assert guard.retry_after("1.2.3.4", now=t) == 0.0
+        guard.failed("1.2.3.4", now=t)
+    for guard in guards:  # locked out on both, whichever counted the failures
+        assert guard.retry_after("1.2.3.4", now=3.0) == 17.0  # one try back at 0.15 + 17 * 0.05
+        assert guard.retry_after("5.6.7.8", now=3.0) == 0.0
+    assert guards[1].retry_after("1.2.3.4", now=20.5) == 0.0
+    guards[1].failed("1.2.3.4", now=20.5)
+    assert guards[0].retry_after("1.2.3.4", now=20.5) > 0.0
+    guards[0].succeeded("1.2.3.4")  # the right key: the address starts again
+    assert guards[1].retry_after("1.2.3.4", now=20.5) == 0.0
+    with pytest.raises(ValueError):  # the supervisor's limits and this worker's settings disagree
+        SignInGuard(5, 60.0, shared.attach().signins)

@@ -1,0 +1,77 @@
+"""One worker process of `specgate serve --workers N`: the whole gateway app, serving the listening
+socket the supervisor bound (the kernel hands each connection to one of the workers, as with
+uvicorn's own `--workers`), with what it shares with its siblings named by its `WorkerContext`.
+
+Started with the "spawn" start method (a fresh interpreter: no threads or locks of the supervisor's
+carried over), so everything it needs travels in its arguments, which must pickle. uvicorn's own
+signal handling applies: SIGTERM or SIGINT is a graceful shutdown. A supervisor that dies without
+stopping it (SIGKILL) closes the lifeline's other end, and the worker shuts down as if told to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from specgate.gateway.settings import Settings
+from specgate.gateway.worker_context import WorkerContext
+
+logger = logging.getLogger("specgate.workers")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """How the workers run, besides the settings (the command line's, not the config file's)."""
+
+    cache_dir: str
+    verbose: bool = False
+    graceful_timeout: int = 10  # seconds in-flight requests get to finish on shutdown
+
+    def __post_init__(self) -> None:
+        if self.graceful_timeout < 0:
+            raise ValueError("graceful_timeout must not be negative")
+
+
+def run_worker(
+    sock: socket.socket,
+    settings: Settings,
+    ctx: WorkerContext,
+    options: WorkerOptions,
+    lifeline: Connection,
+) -> None:
+    """The worker's entry point (a spawned process)."""
+    level = logging.INFO if options.verbose else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s %(name)s[worker {ctx.index}] %(message)s")
+    import transformers
+    import uvicorn
+
+    from specgate.gateway.http.app import create_app
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    threading.Thread(target=_follow, args=(lifeline,), name="specgate-lifeline", daemon=True).start()
+    config = uvicorn.Config(
+        create_app(settings, cache_dir=options.cache_dir, worker=ctx),
+        log_level="info" if options.verbose else "warning",
+        access_log=options.verbose,
+        timeout_graceful_shutdown=options.graceful_timeout,
+        timeout_keep_alive=settings.keep_alive_timeout,
+        # X-Forwarded-For is the gateway's to judge (settings.trusted_proxies): uvicorn would trust
+        # it from any loopback peer, letting a local client pose as any address.
+        proxy_headers=False,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _follow(lifeline: Connection) -> None:
+    """Nothing is ever sent: the only news is the supervisor's end closing."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    logger.warning("the supervisor is gone; this worker shuts down")
+    os.kill(os.getpid(), signal.SIGTERM)

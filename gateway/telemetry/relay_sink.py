@@ -1,0 +1,165 @@
+"""A worker's end of the telemetry relay (relay.py): a RecordSink that sends to the supervisor.
+
+`submit` runs on the event loop: it appends to a bounded deque and returns; it never blocks and
+never raises. A thread takes up to `batch_size` records at a time, pickles them and sends the batch,
+then waits for the server's acknowledgement; only then is the batch gone from here. A broken
+connection is opened again with backoff (up to `max_backoff` seconds) and the unacknowledged batch
+sent again; meanwhile records wait in the deque, and once it holds `max_backlog` the new ones are
+dropped and counted (`counters.dropped`, on /metrics as specgate_telemetry_rows_dropped: it must
+stay 0). `close()` flushes: it returns once everything was acknowledged or `close_timeout` passed.
+
+The counters are the writer's (`WriterCounters`), so /metrics shows a worker's relay where a
+single-process gateway shows its writer: queued (handed to the relay), written (acknowledged by the
+supervisor, whose writer then owns them), dropped, db_errors (failed sends).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import pickle
+import random
+import socket
+import threading
+import time
+
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.relay import ACK, encode_frame
+from specgate.gateway.telemetry.writer import WriterCounters
+
+logger = logging.getLogger("specgate.telemetry")
+
+
+class RelaySink:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        batch_size: int = 256,
+        flush_interval: float = 0.05,
+        max_backlog: int = 100_000,
+        max_backoff: float = 2.0,
+        io_timeout: float = 30.0,
+        close_timeout: float = 30.0,
+    ) -> None:
+        if batch_size < 1 or flush_interval <= 0 or max_backlog < 1 or max_backoff <= 0 or io_timeout <= 0:
+            raise ValueError("invalid telemetry relay settings")
+        self.path = socket_path
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.max_backlog = max_backlog
+        self.max_backoff = max_backoff
+        self.io_timeout = io_timeout
+        self.close_timeout = close_timeout
+        self.counters = WriterCounters()
+        self._backlog: collections.deque[RequestRecord] = collections.deque()
+        self._pending: tuple[bytes, int] | None = None  # the frame sent and not yet acknowledged
+        self._conn: socket.socket | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._deadline = float("inf")  # set by close(): give up sending then
+        self._thread = threading.Thread(target=self._run, name="specgate-telemetry-relay", daemon=True)
+
+    # ---- event loop ---------------------------------------------------------------------------
+
+    def submit(self, record: RequestRecord) -> None:
+        try:
+            if len(self._backlog) >= self.max_backlog:
+                self.counters.dropped += 1
+                return
+            self._backlog.append(record)
+            self.counters.queued += 1
+            if len(self._backlog) >= self.batch_size:
+                self._wake.set()
+        except Exception:  # a sink never fails the request
+            self.counters.dropped += 1
+
+    def queue_size(self) -> int:
+        return len(self._backlog) + (self._pending[1] if self._pending else 0)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> RelaySink:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Send everything submitted so far (or give up after `close_timeout`), then disconnect."""
+        self._deadline = time.monotonic() + self.close_timeout
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(self.close_timeout + self.io_timeout)
+        lost = self.queue_size()
+        if lost:
+            self.counters.dropped += lost
+            logger.error("telemetry relay: %d records were not delivered before shutdown", lost)
+        self._disconnect()
+
+    # ---- sender thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            if backoff:
+                time.sleep(backoff)  # not cut short by close(): it waits for the retries
+            elif not self._backlog and self._pending is None:
+                if self._stop.is_set():
+                    return
+                self._wake.wait(self.flush_interval)
+                self._wake.clear()
+            if time.monotonic() > self._deadline:
+                return
+            try:
+                while self._send_one():
+                    pass
+                backoff = 0.0
+            except OSError as exc:
+                self.counters.db_errors += 1
+                self._disconnect()
+                backoff = min(self.max_backoff, max(0.05, backoff * 2)) * random.uniform(0.8, 1.2)
+                logger.warning("telemetry relay %s: %r; retrying in %.2fs", self.path, exc, backoff)
+            except Exception:  # never let the thread die: records would pile up unseen
+                logger.exception("telemetry relay failed")
+                backoff = self.max_backoff
+
+    def _send_one(self) -> bool:
+        """Send the pending batch, or the next one; False when there is nothing to send."""
+        if self._pending is None:
+            self._pending = self._next_frame()
+            if self._pending is None:
+                return False
+        if self._conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(self.io_timeout)
+            try:
+                conn.connect(self.path)
+            except OSError:
+                conn.close()
+                raise
+            self._conn = conn
+        frame, n = self._pending
+        self._conn.sendall(frame)
+        if self._conn.recv(1) != ACK:
+            raise ConnectionError("the relay closed the connection before acknowledging a batch")
+        self._pending = None
+        self.counters.written += n
+        return True
+
+    def _next_frame(self) -> tuple[bytes, int] | None:
+        items: list[bytes] = []
+        while self._backlog and len(items) < self.batch_size:
+            record = self._backlog.popleft()
+            try:
+                items.append(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception:
+                self.counters.dropped += 1
+                logger.exception("telemetry relay: request %s cannot be pickled", record.request_id)
+        return (encode_frame(items), len(items)) if items else None
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None

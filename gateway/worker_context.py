@@ -1,0 +1,29 @@
+"""What one process of `specgate serve --workers N` shares with its siblings.
+
+With one worker (the default) there is no context: the gateway is one process and keeps all of its
+state in memory, as before. With several, a supervisor process starts the shared parts once (the
+embedded engine core, the telemetry writer, the shared-memory limit tables, the Prometheus
+multiprocess directory) and hands each worker this picklable description of where they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerContext:
+    index: int  # this worker's number, 0 .. workers - 1
+    workers: int
+    run_dir: str  # the supervisor's private directory: sockets and metric files live here
+    engine_socket: str | None = None  # Unix socket of the shared engine core; None: no embedded engine
+    telemetry_socket: str | None = None  # Unix socket of the one telemetry writer; None: telemetry off
+    metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported
+    shared_limits: Any = None  # the shared-memory limit tables (gateway/shared_limits.py), attached by name
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ValueError("a worker context is for two or more workers")
+        if not 0 <= self.index < self.workers:
+            raise ValueError(f"worker index {self.index} is outside 0..{self.workers - 1}")

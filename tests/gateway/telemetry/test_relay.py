@@ -1,0 +1,196 @@
+"""The telemetry relay: a real server on a Unix socket in front of a real SQLite store, worker sinks
+in threads and in a spawned process; a server that dies and comes back; hostile frames."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import func, select
+
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.protocol.route import RouteDecision
+from specgate.gateway.settings import TelemetrySettings
+from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.relay import ACK, HEADER, RecordRelayServer, encode_frame
+from specgate.gateway.telemetry.relay_sink import RelaySink
+from specgate.gateway.telemetry.store import TelemetryStore
+from specgate.gateway.telemetry.tables import requests
+
+
+def record(name: str) -> RequestRecord:
+    rec = RequestRecord(name, "chat", "m", received_at=time.time() - 1, stream=False)
+    rec.status, rec.backend, rec.prompt_tokens, rec.completion_tokens = 200, "embedded", 10, 20
+    rec.route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
+    rec.route.served_by("embedded", external=False)
+    rec.features = {"p_code": np.float64(0.75), "prompt_chars": 42}  # numpy scalars do reach records
+    rec.finish()
+    return rec
+
+
+def settings(tmp: Path) -> TelemetrySettings:
+    url = f"sqlite:///{tmp / 'telemetry.db'}"
+    return TelemetrySettings(
+        url=SecretStr(url), auto_upgrade=True, spool_dir=str(tmp / "spool"), flush_interval=0.02
+    )
+
+
+def rows(store: TelemetryStore) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(requests)).scalar_one())
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    # Short: a Unix socket's path must fit in 108 bytes, which pytest's tmp_path may not.
+    path = Path(tempfile.mkdtemp(prefix="relay-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp: Path) -> Iterator[TelemetryStore]:
+    s = TelemetryStore(settings(tmp))
+    s.open()
+    yield s
+    s.close()
+
+
+def _worker_process(path: str, n: int) -> None:
+    sink = RelaySink(path).start()
+    for i in range(n):
+        sink.submit(record(f"proc-{i}"))
+    sink.close()
+    assert sink.counters.dropped == 0
+
+
+def test_records_from_threads_and_a_process_all_land(tmp: Path, store: TelemetryStore) -> None:
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path).start()
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_worker_process, args=(path, 300))
+    proc.start()
+    sinks = [RelaySink(path, batch_size=64).start() for _ in range(2)]
+
+    def submit(sink: RelaySink, tag: str) -> None:
+        for i in range(500):
+            sink.submit(record(f"{tag}-{i}"))
+
+    threads = [threading.Thread(target=submit, args=(s, f"t{n}")) for n, s in enumerate(sinks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in sinks:
+        s.close()  # flushes
+        assert s.counters.written == 500 and s.counters.dropped == 0
+    proc.join(60)
+    assert proc.exitcode == 0
+    server.close()  # every connection drained before the store closes
+    assert store.writer is not None and store.writer.flush(20)
+    assert rows(store) == 1300 and server.counters.records == 1300
+    with store.engine.connect() as conn:
+        features = conn.execute(
+            select(requests.c.features).where(requests.c.request_id == "proc-7")
+        ).scalar_one()
+    assert features["p_code"] == 0.75
+
+
+def test_a_dead_server_then_a_new_one_loses_nothing(tmp: Path, store: TelemetryStore) -> None:
+    path = str(tmp / "t.sock")
+    sink = RelaySink(path, flush_interval=0.01, max_backoff=0.05).start()
+    for i in range(100):
+        sink.submit(record(f"early-{i}"))  # nobody listens yet: they wait
+    time.sleep(0.3)
+    assert sink.counters.db_errors > 0 and sink.queue_size() == 100
+    server = RecordRelayServer(store, path, drain_timeout=0.2).start()
+    _until(lambda: sink.counters.written == 100)
+    server.close()  # the sink is still connected: it is cut
+    for i in range(100):
+        sink.submit(record(f"late-{i}"))
+    time.sleep(0.2)
+    server = RecordRelayServer(store, path).start()  # a restarted supervisor, same path
+    sink.close()
+    server.close()
+    assert sink.counters.dropped == 0 and sink.counters.written >= 200
+    assert store.writer is not None and store.writer.flush(20)
+    assert rows(store) == 200
+
+
+class _Exploit:
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, ("touch /tmp/specgate-relay-pwned",))
+
+
+def _raw(path: str, data: bytes) -> bytes:
+    """Send raw bytes; what the server answers before it closes (b"": it closed at once)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(path)
+        conn.sendall(data)
+        got = b""
+        try:
+            while chunk := conn.recv(16):
+                got += chunk
+                if got.endswith(ACK):
+                    break
+        except ConnectionResetError:  # closed with our bytes unread
+            pass
+        return got
+
+
+def test_hostile_frames_close_only_their_connection(tmp: Path, store: TelemetryStore) -> None:
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path).start()
+    sink = RelaySink(path).start()
+    sink.submit(record("before"))
+    assert _raw(path, HEADER.pack(2**31)) == b""  # a huge length: closed before reading a byte of it
+    assert _raw(path, HEADER.pack(9) + b"\x80\x04garbage") == b""
+    not_a_list = pickle.dumps({"not": "a list"})
+    assert _raw(path, HEADER.pack(len(not_a_list)) + not_a_list) == b""
+    assert _raw(path, HEADER.pack(5) + b"\x00" * 5) == b""
+    # A well-formed frame carrying a malicious pickle: that record is refused, never run.
+    assert _raw(path, encode_frame([pickle.dumps(_Exploit()), pickle.dumps(record("good"))])) == ACK
+    assert not os.path.exists("/tmp/specgate-relay-pwned")
+    sink.submit(record("after"))
+    sink.close()
+    server.close()
+    assert server.counters.bad_frames == 4 and server.counters.refused_records == 1
+    assert store.writer is not None and store.writer.flush(20)
+    assert rows(store) == 3  # before, good, after
+
+
+def test_a_worker_store_writes_through_the_relay(tmp: Path, store: TelemetryStore) -> None:
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path).start()
+    worker = TelemetryStore(settings(tmp), relay=path)
+    worker.open()  # checks the schema the supervisor's store made; starts no writer
+    assert worker.writer is None and worker.relay is not None
+    worker.submit(record("w-1"))
+    ok, detail = asyncio.run(worker.ready())
+    assert ok and "relay backlog" in detail
+    worker.close()
+    server.close()
+    assert worker.counters.written == 1 and worker.queue_size() == 0
+    assert store.writer is not None and store.writer.flush(20)
+    assert rows(store) == 1
+
+
+def _until(cond: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
