@@ -1,9 +1,9 @@
 """What one process of `specgate serve --workers N` shares with its siblings.
 
-With one worker (the default) there is no context: the gateway is one process and keeps all of its
-state in memory, as before. With several, a supervisor process starts the shared parts once (the
-embedded engine core, the telemetry writer, the shared-memory limit tables, the Prometheus
-multiprocess directory) and hands each worker this picklable description of where they are.
+`specgate serve` runs a supervisor process that starts the shared parts once (the embedded engine
+core, the telemetry writer, the shared-memory limit tables, the Prometheus multiprocess directory)
+and hands each of its N workers (one by default) this picklable description of where they are.
+An app built without one (tests, `--engine-thread`) is one process holding all of its state.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class WorkerContext:
     shared_limits: Any = None  # the shared-memory limit tables (gateway/shared_limits.py), attached by name
 
     def __post_init__(self) -> None:
-        if self.workers < 2:
-            raise ValueError("a worker context is for two or more workers")
+        if self.workers < 1:
+            raise ValueError("a worker context needs at least one worker")
         if not 0 <= self.index < self.workers:
             raise ValueError(f"worker index {self.index} is outside 0..{self.workers - 1}")

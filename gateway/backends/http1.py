@@ -39,7 +39,7 @@ class Http1Connection(asyncio.Protocol):
         self._complete = False
         self._until_close = False  # no length and not chunked: the body ends when the connection does
         self._received = False  # any byte of the current response
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None  # True: woken; False: timed out
         self._paused = False
         self._keep_alive = False
 
@@ -140,14 +140,17 @@ class Http1Connection(asyncio.Protocol):
                 return None
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            # A plain timer, not asyncio.timeout: this runs once per body chunk of every stream.
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                async with asyncio.timeout(timeout):
-                    await self._waiter
-            except TimeoutError:
-                self.close()
-                raise TransportError(f"no data within {timeout} s") from None
+                if not await waiter:
+                    self.timed_out = True
+                    self.close()
+                    raise TransportError(f"no data within {timeout} s")
             finally:
+                timer.cancel()
                 self._waiter = None
         data = self._chunks.popleft()
         self._buffered -= len(data)
@@ -163,7 +166,7 @@ class Http1Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._waiter.set_result(True)
 
     def _fail(self, error: TransportError) -> None:
         if self._error is None:
@@ -173,3 +176,9 @@ class Http1Connection(asyncio.Protocol):
             self._head.exception()  # retrieved: a failure no one waits for is not logged as unhandled
         self._wake()
         self.close()
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+

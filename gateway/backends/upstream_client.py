@@ -141,7 +141,8 @@ class UpstreamClient:
         target = self._target(url)
         data = _request_bytes(method, target, body, headers)
         for attempt in (0, 1):
-            conn = self._idle.take(target.origin)
+            # A retry takes a new connection: the other idle ones may be as stale as the first.
+            conn = self._idle.take(target.origin) if attempt == 0 else None
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(target, timeout.connect)

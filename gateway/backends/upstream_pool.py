@@ -9,7 +9,9 @@ from collections import deque
 from specgate.gateway.backends.http1 import Http1Connection
 from specgate.gateway.backends.upstream_errors import PoolTimeout
 
-KEEPALIVE_SECONDS = 15.0  # an idle upstream connection is not reused after this long
+# An idle upstream connection is not reused after this long: under the 5 s keep-alive of uvicorn
+# (vLLM, SGLang, llama.cpp's Python server), so we rarely send on a connection being closed.
+KEEPALIVE_SECONDS = 4.0
 
 
 class Slots:

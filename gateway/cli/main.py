@@ -153,9 +153,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specgate.gateway.http.app import create_app
 
     settings = serve_settings(args)
+    # Served by a supervisor and its workers (one by default): the telemetry writer then runs in
+    # the supervisor, off the GIL of the process that serves requests (its batch inserts held that
+    # GIL for ~10 ms every 0.2 s: the p99 of a proxied request). --engine-thread keeps one process.
+    supervised = settings.workers > 1 or settings.embedded.engine_process is not False
     if settings.telemetry.enabled:
-        _preflight_schema(settings, upgrade=settings.workers > 1)
-    if settings.workers > 1:
+        _preflight_schema(settings, upgrade=supervised)
+    if supervised:
         from specgate.gateway.cli.worker_process import WorkerOptions
         from specgate.gateway.cli.workers import serve_workers
 

@@ -69,8 +69,6 @@ class Slot:
 
 class WorkerSupervisor:
     def __init__(self, settings: Settings, options: WorkerOptions) -> None:
-        if settings.workers < 2:
-            raise ValueError("a worker supervisor is for two or more workers")
         if settings.embedded.enabled and settings.embedded.engine_process is False:
             raise ValueError("--workers shares one engine core between the workers; drop --engine-thread")
         self.settings, self.options = settings, options

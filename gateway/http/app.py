@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -53,6 +54,10 @@ def create_app(
         services = Services.build(settings, cache_dir, sink, worker)
         app.state.services = services
         await services.start()
+        # What start-up built lives as long as the process: out of the collector's way, so a full
+        # collection scans only what requests allocate (tens of ms less at the p99 of a proxy).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -76,13 +81,14 @@ def create_app(
     openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn], raw)
     limit, proxies = settings.max_body_bytes, settings.trusted_proxies
     app.add_middleware(GatewayMiddleware, max_body_bytes=limit, trusted_proxies=proxies)
-    if worker is not None:
+    several = worker is not None and worker.workers > 1  # then say which one answered
+    if several:
         app.add_middleware(WorkerHeader)
     for op in inference.OPERATIONS:
         fast: ASGIApp = GatewayMiddleware(
             inference.endpoint(op), max_body_bytes=limit, trusted_proxies=proxies
         )
-        app.fast_routes[op.path] = WorkerHeader(fast) if worker is not None else fast
+        app.fast_routes[op.path] = WorkerHeader(fast) if several else fast
     return app
 
 

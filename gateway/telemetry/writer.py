@@ -124,6 +124,17 @@ class TelemetryWriter:
     def start(self) -> None:
         self._thread.start()
 
+    def yield_cpu(self, niceness: int = 10) -> None:
+        """Run the writer thread at a lower CPU priority (Linux: per thread). Only where no request
+        waits on its GIL (the supervisor of `serve`): its batch inserts then give way to the
+        processes that serve requests on the same cores instead of stalling them."""
+        tid = self._thread.native_id
+        if tid is not None and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            except OSError:
+                logger.info("could not lower the telemetry writer's priority")
+
     def close(self, timeout: float = 30.0) -> None:
         """Flush everything (to the database, or the spool if it is down) and stop."""
         self._stop.set()

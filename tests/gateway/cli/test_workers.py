@@ -194,13 +194,14 @@ def test_a_killed_core_is_a_retryable_503_and_the_workers_reconnect(fleet: Fleet
 
     def long_request() -> None:
         try:
-            answers.append(fleet.chat(max_tokens=400, extra_body={"ignore_eos": True}))
+            # All the context allows: it must still be running when the core dies.
+            answers.append(fleet.chat(max_tokens=480, extra_body={"ignore_eos": True}))
         except Exception as exc:
             answers.append(exc)
 
     waiter = threading.Thread(target=long_request)
     waiter.start()
-    time.sleep(0.5)  # let it reach the engine
+    time.sleep(0.15)  # let it reach the engine
     os.kill(core, signal.SIGKILL)
     waiter.join(30)
     (failed,) = answers
