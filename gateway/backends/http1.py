@@ -181,4 +181,3 @@ class Http1Connection(asyncio.Protocol):
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)
-

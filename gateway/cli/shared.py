@@ -32,7 +32,8 @@ def start_shared(settings: Settings, run_dir: str) -> tuple[str | None, Any, Cal
     if settings.telemetry.enabled:
         store = TelemetryStore(settings.telemetry)
         store.open()  # the schema was checked (or upgraded) by the preflight just before
-        store.writer.yield_cpu()  # inserts wait for idle CPU rather than delay requests
+        if store.writer is not None:
+            store.writer.yield_cpu()  # inserts wait for idle CPU rather than delay requests
         closers.append(store.close)
         relay = RecordRelayServer(store, os.path.join(run_dir, "telemetry.sock")).start()
         closers.append(relay.close)
