@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
 
 from specgate.gateway.backends.embedded.channel import AsyncChannel
 from specgate.gateway.backends.embedded.handle import EngineHandle
-from specgate.gateway.backends.embedded.messages import Batch, Command, EngineUnavailable, LoadFailed
+from specgate.gateway.backends.embedded.messages import Command, EngineUnavailable
 from specgate.gateway.backends.embedded.model_info import ModelInfo
 
 logger = logging.getLogger("specgate.engine_core")
@@ -30,6 +29,8 @@ class EngineLoadFailed(RuntimeError):
 
 
 class EngineClient(EngineHandle):
+    load_error = EngineLoadFailed
+
     def __init__(self, path: str, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self.path = path
@@ -62,14 +63,6 @@ class EngineClient(EngineHandle):
     def _send(self, command: Command) -> None:
         if self._channel is not None:
             self._channel.send(command)
-
-    def _on_message(self, message: Any) -> None:
-        if isinstance(message, Batch):
-            self._apply(message)
-        elif isinstance(message, ModelInfo) and not self._ready.done():
-            self._ready.set_result(message)
-        elif isinstance(message, LoadFailed) and not self._ready.done():
-            self._ready.set_exception(EngineLoadFailed(message.error))
 
     def _on_eof(self) -> None:
         if not self._closing:

@@ -8,10 +8,12 @@ how to stop it (`close`); they hand every batch that comes back to `_apply`.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
-from specgate.gateway.backends.embedded.messages import READY, Batch, Command, Item, Load
+from specgate.gateway.backends.embedded.messages import READY, Batch, Command, Item, Load, LoadFailed
+from specgate.gateway.backends.embedded.model_info import ModelInfo
 
 
 class EngineHandle:
@@ -36,6 +38,18 @@ class EngineHandle:
         raise NotImplementedError
 
     # ---- shared ---------------------------------------------------------------------------------
+
+    load_error: type[Exception] = RuntimeError  # what `ready` raises when the core cannot load
+    _ready: asyncio.Future[ModelInfo]  # set by the subclass: the core's model, once loaded
+
+    def _on_message(self, message: Any) -> None:
+        """A message from the engine core: a step's outputs, or its answer to loading the model."""
+        if isinstance(message, Batch):
+            self._apply(message)
+        elif isinstance(message, ModelInfo) and not self._ready.done():
+            self._ready.set_result(message)
+        elif isinstance(message, LoadFailed) and not self._ready.done():
+            self._ready.set_exception(self.load_error(message.error))
 
     @property
     def ready(self) -> bool:

@@ -16,13 +16,12 @@ import asyncio
 import logging
 import multiprocessing
 import socket
-from typing import Any
 
 from specgate.engine.config import EngineConfig
 from specgate.gateway.backends.embedded.channel import AsyncChannel
 from specgate.gateway.backends.embedded.core import LogSettings, run_core
 from specgate.gateway.backends.embedded.handle import EngineHandle
-from specgate.gateway.backends.embedded.messages import Batch, Command, EngineUnavailable, LoadFailed
+from specgate.gateway.backends.embedded.messages import Command, EngineUnavailable
 from specgate.gateway.backends.embedded.model_info import ModelInfo
 
 logger = logging.getLogger("specgate.engine_core")
@@ -65,14 +64,6 @@ class EngineProcess(EngineHandle):
 
     def _send(self, command: Command) -> None:
         self._channel.send(command)
-
-    def _on_message(self, message: Any) -> None:
-        if isinstance(message, Batch):
-            self._apply(message)
-        elif isinstance(message, ModelInfo) and not self._ready.done():
-            self._ready.set_result(message)
-        elif isinstance(message, LoadFailed) and not self._ready.done():
-            self._ready.set_exception(RuntimeError(message.error))
 
     def _on_eof(self) -> None:
         if not self._closing:
