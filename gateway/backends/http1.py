@@ -26,7 +26,6 @@ class Http1Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.requests = 0  # requests sent on this connection
         self.idle_since = 0.0
         self.timed_out = False  # the upstream took too long (as opposed to closing the connection)
         self._parser = httptools.HttpResponseParser(self)
@@ -116,8 +115,7 @@ class Http1Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._names, self._values = [], []
         self._head = loop.create_future()
-        self._complete = self._until_close = self._received = self._keep_alive = False
-        self.requests += 1
+        self._complete = self._until_close = self._keep_alive = False
         self.transport.write(data)
 
     async def head(self, timeout: float) -> tuple[int, dict[str, str]]:

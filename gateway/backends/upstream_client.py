@@ -99,6 +99,7 @@ class _Target:
     tls: bool
     path: str  # the request target: path and query
     host_header: str
+    proxy: str | None  # HTTP(S)_PROXY for this origin, unless NO_PROXY exempts it
 
 
 class UpstreamClient:
@@ -114,7 +115,6 @@ class UpstreamClient:
         self._tls: ssl.SSLContext | None = None
         self._proxied: ProxiedSession | None = None  # for origins behind a proxy only
         self._proxies = urllib.request.getproxies_environment()  # HTTP(S)_PROXY, NO_PROXY
-        self._proxy_of: dict[str, str | None] = {}  # per origin, decided once
 
     async def send(
         self,
@@ -125,20 +125,24 @@ class UpstreamClient:
         headers: Mapping[str, str] | None = None,
         timeout: Timeouts,
     ) -> UpstreamResponse:
+        target = self._target(url)
         await self._slots.take(timeout.connect)
         try:
-            proxy = self._proxy(url)
-            if proxy is not None:
-                return await self._via_aiohttp(method, url, body, headers, timeout, proxy)
-            return await self._direct(method, url, body, headers, timeout)
+            if target.proxy is not None:
+                return await self._via_aiohttp(method, url, body, headers, timeout, target.proxy)
+            return await self._direct(method, target, body, headers, timeout)
         except BaseException:
             self._slots.give()
             raise
 
     async def _direct(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, timeout: Timeouts
+        self,
+        method: str,
+        target: _Target,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: Timeouts,
     ) -> UpstreamResponse:
-        target = self._target(url)
         data = _request_bytes(method, target, body, headers)
         for attempt in (0, 1):
             # A retry takes a new connection: the other idle ones may be as stale as the first.
@@ -207,7 +211,13 @@ class UpstreamClient:
             shown = f"[{host}]" if ":" in host else host
             host_header = shown if port == (443 if tls else 80) else f"{shown}:{port}"
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            target = _Target(f"{parts.scheme}://{host_header}", host, port, tls, path, host_header)
+            # The proxy, as httpx honoured HTTP_PROXY / HTTPS_PROXY / NO_PROXY: decided once per URL.
+            proxy = self._proxies.get(parts.scheme) or self._proxies.get("all")
+            netloc = parts.netloc.rsplit("@", 1)[-1]  # host[:port], as NO_PROXY entries name them
+            if proxy is not None and urllib.request.proxy_bypass_environment(netloc, self._proxies):  # type: ignore[attr-defined]
+                proxy = None
+            origin = f"{parts.scheme}://{host_header}"
+            target = _Target(origin, host, port, tls, path, host_header, proxy)
             self._targets[url] = target  # bounded: the URLs are the configured backends' endpoints
         return target
 
@@ -215,17 +225,6 @@ class UpstreamClient:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
-
-    def _proxy(self, url: str) -> str | None:
-        """The proxy for `url` by HTTP_PROXY / HTTPS_PROXY / NO_PROXY, as httpx honoured them."""
-        scheme, _, rest = url.partition("://")
-        origin = f"{scheme}://{rest.split('/', 1)[0]}"
-        if origin not in self._proxy_of:
-            host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
-            proxy = self._proxies.get(scheme.lower()) or self._proxies.get("all")
-            bypass = proxy is None or urllib.request.proxy_bypass_environment(host, self._proxies)  # type: ignore[attr-defined]
-            self._proxy_of[origin] = None if bypass else proxy
-        return self._proxy_of[origin]
 
     async def aclose(self) -> None:
         self._idle.close()

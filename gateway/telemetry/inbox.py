@@ -1,4 +1,5 @@
-"""The telemetry writer's inbox: rows from the event loop to the writer thread, without a wake-up each.
+"""Telemetry on its way out of the event loop, to a thread that sends it on, without a wake-up each:
+the writer's rows (writer.py) and a worker's records for the supervisor (relay_sink.py).
 
 A `queue.Queue` notifies its consumer on every put: one thread switch (and a GIL hand-over) per
 request on the event loop's critical path, measured at an eighth of the gateway's CPU per request
@@ -10,26 +11,28 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class InboxFull(Exception):
     pass
 
 
-class Inbox:
+class Inbox(Generic[T]):
     def __init__(self, maxsize: int, batch_size: int) -> None:
         if maxsize < 1 or batch_size < 1:
             raise ValueError("maxsize and batch_size must be at least 1")
         self.maxsize = maxsize
         self.batch_size = batch_size
         self.ready = threading.Event()  # set when a batch is full or someone is waiting on the rows
-        self._items: collections.deque[dict[str, Any]] = collections.deque()
+        self._items: collections.deque[T] = collections.deque()
         # Each counter has one writer thread of its own, so neither needs a lock.
         self._put = 0  # by the event loop
         self._done = 0  # by the writer thread
 
-    def put_nowait(self, item: dict[str, Any]) -> None:
+    def put_nowait(self, item: T) -> None:
         if len(self._items) >= self.maxsize:
             raise InboxFull()
         self._items.append(item)
@@ -46,9 +49,9 @@ class Inbox:
             self.ready.wait(timeout)
         self.ready.clear()
 
-    def take(self, n: int) -> list[dict[str, Any]]:
+    def take(self, n: int) -> list[T]:
         """Up to `n` items, oldest first, without waiting (writer thread)."""
-        out: list[dict[str, Any]] = []
+        out: list[T] = []
         items = self._items
         while items and len(out) < n:
             out.append(items.popleft())

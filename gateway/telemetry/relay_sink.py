@@ -1,10 +1,10 @@
 """A worker's end of the telemetry relay (relay.py): a RecordSink that sends to the supervisor.
 
-`submit` runs on the event loop: it appends to a bounded deque and returns; it never blocks and
+`submit` runs on the event loop: it appends to a bounded `Inbox` (inbox.py) and returns; it never blocks and
 never raises. A thread takes up to `batch_size` records at a time, pickles them and sends the batch,
 then waits for the server's acknowledgement; only then is the batch gone from here. A broken
 connection is opened again with backoff (up to `max_backoff` seconds) and the unacknowledged batch
-sent again; meanwhile records wait in the deque, and once it holds `max_backlog` the new ones are
+sent again; meanwhile records wait in the inbox, and once it holds `max_backlog` the new ones are
 dropped and counted (`counters.dropped`, on /metrics as specgate_telemetry_rows_dropped: it must
 stay 0). `close()` flushes: it returns once everything was acknowledged or `close_timeout` passed.
 
@@ -15,7 +15,6 @@ supervisor, whose writer then owns them), dropped, db_errors (failed sends).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import pickle
@@ -24,6 +23,7 @@ import socket
 import threading
 import time
 
+from specgate.gateway.telemetry.inbox import Inbox
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.relay import ACK, encode_frame
 from specgate.gateway.telemetry.writer import WriterCounters
@@ -48,15 +48,13 @@ class RelaySink:
         self.path = socket_path
         self.batch_size = batch_size
         self.flush_interval = flush_interval
-        self.max_backlog = max_backlog
         self.max_backoff = max_backoff
         self.io_timeout = io_timeout
         self.close_timeout = close_timeout
         self.counters = WriterCounters()
-        self._backlog: collections.deque[RequestRecord] = collections.deque()
+        self._backlog: Inbox[RequestRecord] = Inbox(max_backlog, batch_size)  # wakes the thread per batch
         self._pending: tuple[bytes, int] | None = None  # the frame sent and not yet acknowledged
         self._conn: socket.socket | None = None
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._deadline = float("inf")  # set by close(): give up sending then
         self._thread = threading.Thread(target=self._run, name="specgate-telemetry-relay", daemon=True)
@@ -65,18 +63,13 @@ class RelaySink:
 
     def submit(self, record: RequestRecord) -> None:
         try:
-            if len(self._backlog) >= self.max_backlog:
-                self.counters.dropped += 1
-                return
-            self._backlog.append(record)
+            self._backlog.put_nowait(record)
             self.counters.queued += 1
-            if len(self._backlog) >= self.batch_size:
-                self._wake.set()
-        except Exception:  # a sink never fails the request
+        except Exception:  # full (InboxFull), or anything else: a sink never fails the request
             self.counters.dropped += 1
 
     def queue_size(self) -> int:
-        return len(self._backlog) + (self._pending[1] if self._pending else 0)
+        return self._backlog.qsize() + (self._pending[1] if self._pending else 0)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -88,7 +81,7 @@ class RelaySink:
         """Send everything submitted so far (or give up after `close_timeout`), then disconnect."""
         self._deadline = time.monotonic() + self.close_timeout
         self._stop.set()
-        self._wake.set()
+        self._backlog.wake()
         if self._thread.is_alive():
             self._thread.join(self.close_timeout + self.io_timeout)
         lost = self.queue_size()
@@ -104,11 +97,10 @@ class RelaySink:
         while True:
             if backoff:
                 time.sleep(backoff)  # not cut short by close(): it waits for the retries
-            elif not self._backlog and self._pending is None:
+            elif self._backlog.empty() and self._pending is None:
                 if self._stop.is_set():
                     return
-                self._wake.wait(self.flush_interval)
-                self._wake.clear()
+                self._backlog.wait(self.flush_interval)
             if time.monotonic() > self._deadline:
                 return
             try:
@@ -149,8 +141,7 @@ class RelaySink:
 
     def _next_frame(self) -> tuple[bytes, int] | None:
         items: list[bytes] = []
-        while self._backlog and len(items) < self.batch_size:
-            record = self._backlog.popleft()
+        for record in self._backlog.take(self.batch_size):
             try:
                 items.append(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
             except Exception:

@@ -13,8 +13,6 @@ import asyncio
 import hashlib
 from pathlib import Path
 
-from sqlalchemy import Engine, text
-
 from specgate.gateway.settings import TelemetrySettings
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.relay_sink import RelaySink
@@ -26,7 +24,7 @@ from specgate.gateway.telemetry.schema import (
     make_engine,
 )
 from specgate.gateway.telemetry.spool import Spool
-from specgate.gateway.telemetry.writer import TelemetryWriter, WriterCounters
+from specgate.gateway.telemetry.writer import TelemetryWriter, WriterCounters, ping
 
 
 class TelemetryStore:
@@ -120,12 +118,3 @@ class TelemetryStore:
         if self.relay is not None:
             self.relay.close()
         self.engine.dispose()
-
-
-def ping(engine: Engine) -> bool:
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        return True
-    except Exception:
-        return False

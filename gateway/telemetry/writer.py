@@ -98,7 +98,7 @@ class TelemetryWriter:
         self.step_sample_rate = step_sample_rate
         self.counters = WriterCounters()
         self.db_up = True
-        self._queue = Inbox(max_queue, batch_size)
+        self._queue: Inbox[dict[str, Any]] = Inbox(max_queue, batch_size)
         self._overflow: collections.deque[dict[str, Any]] = collections.deque()
         self._stop = threading.Event()
         self._last_retry = 0.0
@@ -167,12 +167,7 @@ class TelemetryWriter:
         return self.queue_size() + self.counters.spool_backlog
 
     def ping(self) -> bool:
-        try:
-            with self.engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-            return True
-        except Exception:
-            return False
+        return ping(self.engine)
 
     # ---- writer thread ------------------------------------------------------------------------
 
@@ -375,3 +370,13 @@ class TelemetryWriter:
         if self.db_up:
             logger.error("telemetry database unavailable, spooling to %s: %s", self.spool.path, exc)
         self.db_up = False
+
+
+def ping(engine: Engine) -> bool:
+    """Whether the database answers a trivial query now."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return True
+    except Exception:
+        return False

@@ -250,6 +250,6 @@ def test_an_origin_behind_a_proxy_goes_through_it(monkeypatch: pytest.MonkeyPatc
         server.close()
         assert status == 200 and json.loads(body) == {"via": "proxy"}
         assert seen == [b"POST http://upstream.example:8000/v1/chat/completions HTTP/1.1"]
-        assert client._proxy("http://localhost:8000/v1/x") is None
+        assert client._target("http://localhost:8000/v1/x").proxy is None
 
     asyncio.run(run())
