@@ -8,6 +8,9 @@ from typing import Any
 import torch
 
 QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
+# The step sizes `specgate serve --compile` compiles: plain decoding (1), verifications of up to 15
+# drafts and small batches; larger steps are dominated by their matmuls and run eagerly.
+DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,6 +54,10 @@ class EngineConfig:
     # Batch-invariant kernels: a request's greedy output does not depend on its batch mates, the
     # speculation method or K, or prefix-cache hits (engine/batch_invariant.py).
     deterministic: bool = False
+    # Token counts of the steps compiled with torch.compile on CPU (engine/models/compiled.py): a step
+    # of n tokens runs the graph of the smallest size >= n, padded; larger steps run eagerly. Empty:
+    # nothing is compiled. Compact decoder only; off in deterministic mode.
+    compile_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -90,6 +97,9 @@ class EngineConfig:
             raise ValueError("prefix_cache_bytes must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        self.compile_sizes = tuple(sorted(set(self.compile_sizes)))
+        if self.compile_sizes and not 1 <= self.compile_sizes[0] <= self.compile_sizes[-1] <= 256:
+            raise ValueError(f"compile_sizes must lie in 1..256; got {list(self.compile_sizes)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

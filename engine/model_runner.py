@@ -14,6 +14,7 @@ from specgate.engine.config import EngineConfig
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
 from specgate.engine.models.build import build_model
+from specgate.engine.models.compiled import CompiledSteps
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class ModelRunner:
         if config.prefix_caching and self.has_features:
             shape = (self.kv_cache.num_slots, int(text_config.hidden_size))
             self.features = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        self.compiled = self._compile(config)
         logger.info(
             "loaded %s (%s, %s, %s): KV pool %d blocks x %d tokens, %.1f MiB, max_model_len %d",
             self.source.name,
@@ -97,6 +99,28 @@ class ModelRunner:
             self.kv_cache.nbytes / 2**20,
             self.max_model_len,
         )
+
+    def _compile(self, config: EngineConfig) -> CompiledSteps | None:
+        if not config.compile_sizes:
+            return None
+        why = None
+        if not self.compact:
+            why = "it runs the compact decoder only"
+        elif config.deterministic:
+            why = "deterministic mode fixes its own kernels"
+        elif self.device.type != "cpu":
+            why = "compiled steps run on CPU only"
+        if why is not None:
+            logger.warning("compile_sizes ignored: %s", why)
+            return None
+        try:
+            return CompiledSteps(
+                self.model, self.kv_cache, config.compile_sizes, self.compute_dtype, self.device
+            )
+        except Exception as e:  # no C++ compiler, an inductor bug: serve eagerly, as without the setting
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            logger.warning("compiling the decode step failed, running it eagerly: %s", first_line)
+            return None
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
         if self._capture:
@@ -132,7 +156,13 @@ class ModelRunner:
             raise ValueError(f"{self.source.name}: no final norm found to read hidden states from")
         input_ids, positions, logit_index, meta, token_rows = self.layout.pack(items)
         keep = self.features is not None
-        if self.compact:
+        packed: torch.Tensor | None
+        compiled = (
+            None if self.compiled is None else self.compiled.run(input_ids, positions, meta, logit_index)
+        )
+        if compiled is not None:
+            logits, packed = compiled
+        elif self.compact:
             logits, packed = self.model(input_ids, positions, meta, logit_index, hidden or keep)
         else:
             logits, packed = self._forward_hf(input_ids, positions, meta, logit_index, hidden or keep)

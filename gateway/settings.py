@@ -10,7 +10,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -73,6 +73,10 @@ class EmbeddedSettings(BaseModel):
     # Batch-invariant kernels: a temperature-0 answer does not depend on the batch it ran in, the
     # speculation method or K, or a prefix-cache hit (engine/batch_invariant.py; README has its cost).
     deterministic: bool = False
+    # Token counts of the decode / verify steps compiled with torch.compile at start-up (CPU, compact
+    # decoder; ~45 s each on two cores, every start). `specgate serve --compile` sets (1, 2, 4, 8, 16).
+    # Empty: every step runs eagerly.
+    compile_sizes: list[Annotated[int, Field(ge=1, le=256)]] = Field(default_factory=list)
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)

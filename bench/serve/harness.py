@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = peer_server.free_port()
     cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(port)]
-    for flag in ("model", "dtype", "threads"):
+    for flag in ("model", "dtype", "threads", "compile"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]
     env = {**os.environ, "SPECGATE_DATA_DIR": str((out / "gateway-data").resolve())}

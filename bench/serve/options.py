@@ -13,6 +13,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="gateway started here: its embedded model (default SmolLM2)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--compile",
+        default=None,
+        metavar="SIZES",
+        help="gateway started here: `specgate serve --compile SIZES` (e.g. 1,2,4,8,16)",
+    )
     p.add_argument("--model-name", default=None, help="model to request (default: the first /v1/models)")
     p.add_argument("--categories", default=",".join(CATEGORIES))
     p.add_argument("--dataset-path", default=None, help="JSONL of prompts instead of the shipped categories")

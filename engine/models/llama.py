@@ -27,6 +27,8 @@ COMPACT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 _PRECISION = {"none": 2, "int8": 1, "int4": 0}
 
 ModePlan = Callable[[str], str]  # HF parameter name -> linear mode (none, int8, int4)
+# attend(layer, query [heads, n, d], key [kv_heads, n, d], value [kv_heads, n, d]) -> [n, heads, d]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def compact_supported(config: Any) -> bool:
@@ -136,28 +138,44 @@ class CompactCausalLM(nn.Module):
         want_hidden: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [num_logits, vocab] and, if asked, the final-norm hidden states [num_tokens, hidden]."""
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(meta, layer, q, k, v, self.scale)
+
+        hidden = self.hidden_states(input_ids, positions, attend, meta.compute_dtype)  # [num_tokens, hidden]
+        logits = self.lm_head(hidden.index_select(0, logit_index))  # [num_logits, vocab]
+        return logits, (hidden if want_hidden else None)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        attend: Attend,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        """The final-norm hidden states [num_tokens, hidden]; `attend(layer, q, k, v)` stores a layer's
+        keys and values and returns its attention output [num_tokens, heads, head_dim]. Plain code
+        with no data-dependent control flow, so torch.compile traces it into one graph."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        dtype, compute = x.dtype, meta.compute_dtype
+        dtype = x.dtype
         # Queries and keys are rotated in attention's compute dtype (fp32 on CPU): one cast of the
         # fused qkv per layer, and the keys and values go into the pool without another.
         cos = self.cos[positions].to(compute).unsqueeze(0)  # [1, num_tokens, head_dim]
         sin = self.sin[positions].to(compute).unsqueeze(0)
         n, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         residual = x
-        eps, scale = self.eps, self.scale
+        eps = self.eps
         for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, m) in enumerate(self._plan):
             hs = rms_norm(residual, input_norm, eps)
             qkv = qkv_proj(hs).to(compute).view(n, h + 2 * kv, d).transpose(0, 1)  # [h + 2kv, num_tokens, d]
             qk = qkv[: h + kv]
             qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin  # rotary on queries and keys at once
-            attn = paged_attention(meta, i, qk[:h], qk[h:], qkv[h + kv :], scale)  # [num_tokens, h, d]
+            attn = attend(i, qk[:h], qk[h:], qkv[h + kv :])  # [num_tokens, h, d]
             residual = residual + o_proj(attn.reshape(n, h * d).to(dtype))
             hs = rms_norm(residual, post_norm, eps)
             gate_up = gate_up_proj(hs)  # [num_tokens, 2 * intermediate]
             residual = residual + down_proj(F.silu(gate_up[:, :m]) * gate_up[:, m:])
-        hidden = rms_norm(residual, self.norm, self.eps)  # [num_tokens, hidden]
-        logits = self.lm_head(hidden.index_select(0, logit_index))  # [num_logits, vocab]
-        return logits, (hidden if want_hidden else None)
+        return rms_norm(residual, self.norm, eps)
 
 
 def _rotary_tables(

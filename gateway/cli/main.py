@@ -112,6 +112,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_arg(value: str) -> list[int]:
+    """--compile SIZES: comma-separated token counts, or 'off' (none); --compile alone: the default sizes."""
+    if value == "default":
+        from specgate.engine.config import DEFAULT_COMPILE_SIZES
+
+        return list(DEFAULT_COMPILE_SIZES)
+    if value == "off":
+        return []
+    try:
+        sizes = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts or 'off'; got {value!r}") from None
+    if not sizes or min(sizes) < 1 or max(sizes) > 256:
+        raise argparse.ArgumentTypeError(f"token counts in 1..256; got {value!r}")
+    return sizes
+
+
 def serve_settings(args: argparse.Namespace) -> Settings:
     """The settings `serve` runs with: the config file and environment, then the flags given."""
     from specgate.gateway.settings import Settings
@@ -130,6 +147,7 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             "prefix_caching": args.prefix_caching,
             "prefix_cache_bytes": args.prefix_cache_bytes,
             "deterministic": args.deterministic,
+            "compile_sizes": args.compile,
         }.items()
         if v is not None
     }
@@ -291,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="embedded engine: batch-invariant kernels, so a greedy answer does not depend on its batch "
         "mates, speculation or prefix-cache hits",
+    )
+    serve.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="SIZES",
+        type=_compile_arg,
+        help="embedded engine: compile decode / verify steps with torch.compile at start-up (CPU; "
+        "~45 s per size on two cores); SIZES: comma-separated token counts (default 1,2,4,8,16), or "
+        "'off'",
     )
     serve.add_argument(
         "--engine-thread",

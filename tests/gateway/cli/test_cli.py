@@ -172,3 +172,21 @@ def test_serve_deterministic_flag(tmp_path: Path) -> None:
     assert _serve("--config", str(config)).embedded.deterministic is True  # type: ignore[attr-defined]
     off = _serve("--config", str(config), "--no-deterministic").embedded  # type: ignore[attr-defined]
     assert off.deterministic is False
+
+
+def test_serve_compile_flag(tmp_path: Path) -> None:
+    assert _serve().embedded.compile_sizes == []  # type: ignore[attr-defined]
+    assert _serve("--compile").embedded.engine_config().compile_sizes == (1, 2, 4, 8, 16)  # type: ignore[attr-defined]
+    assert _serve("--compile", "4,1").embedded.engine_config().compile_sizes == (1, 4)  # type: ignore[attr-defined]
+    config = tmp_path / "c.toml"
+    config.write_text("[embedded]\ncompile_sizes = [1, 2]\n")
+    assert _serve("--config", str(config)).embedded.compile_sizes == [1, 2]  # type: ignore[attr-defined]
+    assert _serve("--config", str(config), "--compile", "off").embedded.compile_sizes == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("value", ["x", "0", "1,300", ",", "1;2"])
+def test_serve_refuses_bad_compile_sizes(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--compile", value])
+    assert exit_.value.code == 2
+    assert "--compile" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""bench_engine's served row: the same prompts through `specgate serve`, streamed, one at a time.
+
+The server runs in its own process group with the engine in its engine-core process, as users run
+it; the client is a plain streaming HTTP reader on the same machine. Token-id prompts go to
+/v1/completions, so the server decodes exactly what the engine rows decode. bench_engine alternates
+its requests with the engine's own batch-1 requests, so machine noise falls on both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stream(client: httpx.Client, model: str, ids: list[int], max_tokens: int) -> tuple[int, float, float]:
+    """(completion tokens, seconds from send to the last token, TPOT ms after the first token)."""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "spec": {"method": "off"},
+    }
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    return tokens, last - start, (last - first) * 1e3 / max(tokens - 1, 1)
+
+
+class ServedGateway:
+    """`specgate serve` started here (engine core process, `--compile` sizes), stopped on exit."""
+
+    def __init__(self, compile_sizes: str, threads: int, log_path: Path) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(self.port)]
+        cmd += ["--threads", str(threads), "--compile", compile_sizes or "off"]
+        env = {**os.environ, "SPECGATE_DATA_DIR": tempfile.mkdtemp(prefix="bench-engine-served-")}
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.server = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+        self.model = ""
+
+    def __enter__(self) -> ServedGateway:
+        deadline = time.monotonic() + 900  # compiling five sizes takes minutes on two cores
+        while True:
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"specgate serve did not come up; see {self.log_path}")
+            try:
+                if self.client.get("/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.model = self.client.get("/v1/models").json()["data"][0]["id"]
+        return self
+
+    def stream(self, ids: list[int], max_tokens: int) -> tuple[int, float, float]:
+        """(completion tokens, seconds from send to the last token, TPOT ms after the first token)."""
+        return _stream(self.client, self.model, ids, max_tokens)
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.server.terminate()
+        self.server.wait(60)
+        self._log.close()
