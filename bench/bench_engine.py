@@ -191,8 +191,8 @@ def main() -> None:
     mode = engine.config.quantization + (", compiled" if compiled else "")
     alone = f"specgate engine ({mode}), batch 1 (sequential)"
     if args.served:
-        log = Path(tempfile.gettempdir()) / "bench_engine.served.log"
-        with ServedGateway(args.compile_sizes, args.threads, log) as gateway:
+        out = Path(tempfile.mkdtemp(prefix="bench-engine-served-"))  # its log and data directory
+        with ServedGateway(args.compile_sizes, args.threads, out) as gateway:
             gateway.stream(seq_ids[0][:32], 8)  # warm-up
             pairs = [
                 (run_engine(engine, [ids], 1, args.max_tokens), gateway.stream(ids, args.max_tokens))

@@ -1,29 +1,22 @@
 """bench_engine's served row: the same prompts through `specgate serve`, streamed, one at a time.
 
-The server runs in its own process group with the engine in its engine-core process, as users run
-it; the client is a plain streaming HTTP reader on the same machine. Token-id prompts go to
-/v1/completions, so the server decodes exactly what the engine rows decode. bench_engine alternates
-its requests with the engine's own batch-1 requests, so machine noise falls on both alike.
+The server is started as `specgate bench serve` starts its own (the engine in its engine-core
+process, as users run it); the client is a plain streaming HTTP reader on the same machine.
+Token-id prompts go to /v1/completions, so the server decodes exactly what the engine rows decode.
+bench_engine alternates its requests with the engine's own batch-1 requests, so machine noise falls
+on both alike.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from specgate.bench.serve.harness import start_local_gateway
 
 
 def _stream(client: httpx.Client, model: str, ids: list[int], max_tokens: int) -> tuple[int, float, float]:
@@ -58,31 +51,15 @@ def _stream(client: httpx.Client, model: str, ids: list[int], max_tokens: int) -
 class ServedGateway:
     """`specgate serve` started here (engine core process, `--compile` sizes), stopped on exit."""
 
-    def __init__(self, compile_sizes: str, threads: int, log_path: Path) -> None:
-        self.port = _free_port()
-        cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(self.port)]
-        cmd += ["--threads", str(threads), "--compile", compile_sizes or "off"]
-        env = {**os.environ, "SPECGATE_DATA_DIR": tempfile.mkdtemp(prefix="bench-engine-served-")}
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.server = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+    def __init__(self, compile_sizes: str, threads: int, out: Path) -> None:
+        args = argparse.Namespace(model=None, dtype=None, threads=threads, compile=compile_sizes)
+        self._args, self._out = args, out
         self.model = ""
 
     def __enter__(self) -> ServedGateway:
-        deadline = time.monotonic() + 900  # compiling five sizes takes minutes on two cores
-        while True:
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"specgate serve did not come up; see {self.log_path}")
-            try:
-                if self.client.get("/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        # bench serve's own start-up: same command line, data directory and readiness wait.
+        self.server, url = start_local_gateway(self._args, self._out)
+        self.client = httpx.Client(base_url=url, timeout=600)
         self.model = self.client.get("/v1/models").json()["data"][0]["id"]
         return self
 
@@ -94,4 +71,3 @@ class ServedGateway:
         self.client.close()
         self.server.terminate()
         self.server.wait(60)
-        self._log.close()

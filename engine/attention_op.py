@@ -46,9 +46,9 @@ def paged_attention_op(
     heads, padded, head_dim = query.shape
     n = meta.slot_mapping.shape[0]
     if n == padded:
-        out = paged_attention(meta, layer, query, key, value, scale)
-        # A custom op's output may not alias its inputs (plain decoding can return the query's storage).
-        return out.clone() if out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr() else out
+        # A fresh tensor (a custom op's output may not alias its inputs): paged_attention returns
+        # attention's own output, or a buffer it allocated.
+        return paged_attention(meta, layer, query, key, value, scale)
     real = paged_attention(meta, layer, query[:, :n], key[:, :n], value[:, :n], scale)  # [n, heads, head_dim]
     out = query.new_zeros(padded, heads, head_dim)
     out[:n] = real

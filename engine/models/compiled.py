@@ -88,14 +88,12 @@ class CompiledSteps:
         self.compute = compute
         self.device = device
         self.graphs: dict[int, Callable[..., Any]] = {}
-        self.largest = 0
         start = time.perf_counter()
         for bucket in sorted(set(buckets)):
             fn = torch.compile(_entry_point(bucket), fullgraph=True, dynamic=False)
             compiled_ms, eager_ms = self._warm_up(fn, kv_cache, bucket)
             if compiled_ms < eager_ms:
                 self.graphs[bucket] = fn
-                self.largest = bucket
             logger.info(
                 "compiled step, %d tokens: %.2f ms against %.2f ms eager%s",
                 bucket,
@@ -132,9 +130,8 @@ class CompiledSteps:
         return compiled_ms, _median_ms(eager)
 
     def bucket(self, num_tokens: int) -> int | None:
-        if num_tokens > self.largest:
-            return None
-        return min(b for b in self.graphs if b >= num_tokens)
+        """The smallest compiled size that holds `num_tokens`; None if none does."""
+        return min((b for b in self.graphs if b >= num_tokens), default=None)
 
     def run(
         self,
@@ -162,7 +159,6 @@ class CompiledSteps:
                 raise
             logger.error("compiled step of %d tokens rejected its inputs; running it eagerly", bucket)
             del self.graphs[bucket]
-            self.largest = max(self.graphs, default=0)
             return None
         return logits.index_select(0, logit_index), hidden[:n]
 
