@@ -33,7 +33,9 @@ ARMS: dict[str, SpecParams | None] = {
     "plain": None,
     "ngram dyn": SpecParams("ngram", controller="goodput", k_max=10),
     "suffix dyn": SpecParams("suffix", controller="goodput", k_max=10),
-    "eagle K=3": SpecParams("eagle", controller="static", num_speculative_tokens=3, k_min=3, k_max=3),
+    "eagle K=3": SpecParams(
+        "eagle", controller="static", num_speculative_tokens=3, k_min=3, k_max=3, max_tree_nodes=0
+    ),
     "eagle dyn": SpecParams("eagle", controller="goodput", k_max=6),
 }
 

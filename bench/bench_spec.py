@@ -39,9 +39,9 @@ from specgate.gateway.settings import default_cache_dir
 
 ARMS: dict[str, SpecParams | None] = {
     "plain": None,
-    "ngram K=4": SpecParams("ngram", controller="static", num_speculative_tokens=4),
+    "ngram K=4": SpecParams("ngram", controller="static", num_speculative_tokens=4, max_tree_nodes=0),
     "ngram dyn": SpecParams("ngram", controller="goodput", k_max=10),
-    "suffix K=4": SpecParams("suffix", controller="static", num_speculative_tokens=4),
+    "suffix K=4": SpecParams("suffix", controller="static", num_speculative_tokens=4, max_tree_nodes=0),
     "suffix dyn": SpecParams("suffix", controller="goodput", k_max=10),
 }
 HF_ARM = "HF prompt lookup"

@@ -11,6 +11,7 @@ import torch
 
 from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk, tile_groups
 from specgate.engine.batch_invariant import ATTENTION_TILE, key_bucket
+from specgate.engine.draft_tree import ancestor_mask, depths
 from specgate.engine.kv_cache import KVCache
 
 # Sequences with at most this many new tokens (decode, verification) may share a padded attention call.
@@ -29,6 +30,33 @@ class ForwardItem:
     start: int
     block_table: Sequence[int]  # must already cover start + len(token_ids) positions
     num_logits: int  # logits wanted for this many trailing positions
+    # A draft tree to verify: per token, the index of its parent token in this item (-1 for the first,
+    # which follows the context). Token j then sits at position start + its depth, attends to the
+    # context and its ancestors only, and its key / value goes to slot start + j all the same.
+    tree: Sequence[int] | None = None
+
+    def positions(self) -> torch.Tensor:
+        """[len(token_ids)] position of each new token."""
+        if self.tree is None:
+            return torch.arange(self.start, self.start + len(self.token_ids))
+        return self.start + torch.tensor([0, *depths(_node_parents(self.tree))])
+
+    def mask(self, t: int, s: int) -> torch.Tensor:
+        """[t, s] bool: which of the first s context slots each new token attends to; rows past the
+        item's own tokens repeat its last one (padding that sees a whole real context)."""
+        n = len(self.token_ids)
+        q_pos = torch.arange(self.start, self.start + n).view(n, 1)
+        rows = torch.arange(s).view(1, s) <= q_pos  # [n, s] causal over the slots
+        if self.tree is not None:
+            rows[:, self.start : self.start + n] = ancestor_mask(_node_parents(self.tree))
+        if t > n:
+            rows = torch.cat([rows, rows[n - 1 :].expand(t - n, s)])
+        return rows
+
+
+def _node_parents(tree: Sequence[int]) -> list[int]:
+    """An item's tree (token 0 the root) as draft-tree parents of tokens 1.. (-1: the root)."""
+    return [p - 1 for p in tree[1:]]
 
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[range]]
@@ -88,7 +116,9 @@ class BatchLayout:
         group = BatchedGroup(first_row, num_tokens, b, t, torch.stack(kv_rows).to(self.device), None)
         if b == 1:
             group.kv_start = self.run_start(items[0].block_table, s)
-        if b > 1 or t > 1:
+        if any(it.tree is not None for it in items):
+            group.mask = torch.stack([it.mask(t, s) for it in items]).unsqueeze(1).to(self.device)
+        elif b > 1 or t > 1:
             q_pos = torch.stack(q_pos_rows)  # [b, t]
             mask = torch.arange(s).view(1, 1, s) <= q_pos.unsqueeze(-1)  # [b, t, s]
             group.mask = mask.unsqueeze(1).to(self.device)  # [b, 1, t, s]
@@ -134,7 +164,7 @@ class BatchLayout:
                 logit_rows[i] = range(len(ids) + n - it.num_logits, len(ids) + n)
                 token_rows[i] = range(len(ids), len(ids) + n)
                 ids.extend(it.token_ids)
-                pos_parts.append(torch.arange(it.start, it.start + n))
+                pos_parts.append(it.positions())
                 ctx_slots.append(self.slots(it.block_table, torch.arange(it.start + n)))
                 slot_parts.append(ctx_slots[-1][it.start :])  # the new tokens' own slots
             meta.groups.append(
@@ -146,12 +176,11 @@ class BatchLayout:
             start_tok = len(ids)
             token_rows[i] = range(start_tok, start_tok + n)
             ids.extend(it.token_ids)
-            q_pos = torch.arange(it.start, it.start + n)
-            pos_parts.append(q_pos)
+            pos_parts.append(it.positions())
             ctx = it.start + n
             slots = self.slots(it.block_table, torch.arange(ctx))  # [ctx]
             slot_parts.append(slots[it.start :])  # the new tokens' own slots
-            mask = torch.arange(ctx).view(1, ctx) <= q_pos.view(n, 1)  # [n, ctx]
+            mask = it.mask(n, ctx)  # [n, ctx]
             meta.long_chunks.append(
                 LongChunk(
                     start_tok,
@@ -171,7 +200,10 @@ class BatchLayout:
         return input_ids, positions, logit_index, meta, token_rows
 
     def _pack_tiled(self, items: Sequence[ForwardItem]) -> Packed:
-        """Deterministic mode: items packed in order, every row attended in fixed tiles."""
+        """Deterministic mode: items packed in order, every row attended in fixed tiles (chains only:
+        the engine verifies no trees in this mode)."""
+        if any(it.tree is not None for it in items):
+            raise ValueError("deterministic mode verifies chains, not draft trees")
         ids: list[int] = []
         token_rows: list[range] = []
         logit_index: list[int] = []

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specgate.engine import draft_tree
 from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.config import EngineConfig
@@ -33,12 +34,18 @@ from specgate.engine.sampler import SamplingRow, process_logits, sample, token_l
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.scheduler import ScheduledSequence, Scheduler
 from specgate.engine.sequence import Sequence, SequenceStatus
-from specgate.engine.spec_decode.controller import Candidate, SpecState, choose_k
+from specgate.engine.spec_decode import tree_proposal
+from specgate.engine.spec_decode.controller import Candidate, SpecState, TreeCandidate, choose_k, grow_trees
 from specgate.engine.spec_decode.cost_model import CostModel
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, Proposer, ProposerContext
 from specgate.engine.spec_decode.proposers import proposer_factory
-from specgate.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
+from specgate.engine.spec_decode.rejection_sampler import (
+    verify_greedy,
+    verify_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 
 logger = logging.getLogger("specgate.engine")
 
@@ -258,7 +265,7 @@ class Engine:
             batch=batch,
             drafts=drafts,
             samples=[s.samples for s in batch],  # decided before the step advances any sequence
-            items=[self._forward_item(s, d.token_ids) for s, d in zip(batch, drafts, strict=True)],
+            items=[self._forward_item(s, d) for s, d in zip(batch, drafts, strict=True)],
             feeds=[self._feature_proposer(s.seq) for s in batch],
             scheduled_at=time.monotonic(),
         )
@@ -295,7 +302,7 @@ class Engine:
         for i, (s, d, sampled) in enumerate(zip(step.batch, step.drafts, step.samples, strict=True)):
             if sampled:
                 first = len(rows)
-                rows.extend(self._sampling_row(s.seq, d.token_ids[:j]) for j in range(len(d.token_ids) + 1))
+                rows.extend(self._sampling_row(s.seq, extra) for extra in tree_proposal.histories(d))
                 blocks.append((i, slice(first, len(rows))))
         processed, usable = self._process(step.batch, step.logits, rows, blocks)
         for s in step.batch:
@@ -436,30 +443,73 @@ class Engine:
                 c.state.relax()
             else:
                 seq = batch[i].seq
-                req = ProposalRequest(
-                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, self._sampling_row(seq, [])
-                )
+                # Deterministic mode keeps fixed attention tiles per sequence: chains only.
+                nodes = 0 if self.config.deterministic else c.state.params.max_tree_nodes
+                row = self._sampling_row(seq, [])
+                req = ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes)
                 by_method.setdefault(c.method, []).append((i, req))
-        vocab = self.runner.vocab_size
+        drafted: dict[int, tuple[ProposalRequest, Proposal]] = {}
         for method, reqs in by_method.items():
             proposer = self.proposer(method)
             t0 = time.perf_counter()
             proposals = self._drafts(proposer, method, batch, reqs)
             for (i, req), prop in zip(reqs, proposals, strict=True):
-                seq = batch[i].seq
-                tokens = prop.token_ids[: req.k]
-                if tokens and not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-                    logger.warning("proposer %s drafted tokens outside the vocabulary; dropped", method)
-                    tokens = []
-                if seq.is_finished:
-                    continue
-                if tokens and self.block_manager.can_allocate(seq, seq.num_tokens + len(tokens)):
-                    self.block_manager.allocate(seq, seq.num_tokens + len(tokens))
-                    probs = prop.probs[: len(tokens)] if prop.probs is not None else None
-                    drafts[i] = Proposal(tokens, probs)
+                try:
+                    checked, problem = tree_proposal.checked(prop, req, self.runner.vocab_size)
+                except Exception:  # a proposal too broken to inspect: drafted nothing, the request goes on
+                    checked, problem = None, "an unreadable proposal"
+                if problem is not None:
+                    logger.warning("proposer %s returned %s; dropped", method, problem)
+                if checked is not None and not batch[i].seq.is_finished:
+                    drafted[i] = (req, checked)
             steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
             self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
+        chosen = self._grow_trees(batch, drafted, scheduled_tokens)
+        for i, prop in chosen.items():
+            seq = batch[i].seq
+            for attempt in (prop, tree_proposal.first_path(prop)):
+                n = seq.num_tokens + len(attempt.token_ids)
+                if attempt.token_ids and self.block_manager.can_allocate(seq, n):
+                    self.block_manager.allocate(seq, n)
+                    drafts[i] = attempt
+                    break
         return drafts
+
+    def _grow_trees(
+        self,
+        batch: list[ScheduledSequence],
+        drafted: dict[int, tuple[ProposalRequest, Proposal]],
+        scheduled: int,
+    ) -> dict[int, Proposal]:
+        """Drafts cut to the nodes worth verifying: a goodput-controlled tree keeps its first path up to
+        the k it was given and the branch nodes that pay in this step; other trees keep what they have
+        up to the KV room."""
+        out: dict[int, Proposal] = {}
+        trees: list[tuple[int, TreeCandidate]] = []
+        free_slots = self.block_manager.num_free_blocks * self.block_manager.block_size
+        tokens = scheduled
+        for i, (req, prop) in drafted.items():
+            seq = batch[i].seq
+            room = len(seq.block_table) * self.block_manager.block_size - seq.num_tokens + free_slots
+            assert seq.spec is not None
+            if prop.parents is None:
+                out[i] = prop
+                tokens += len(prop.token_ids)
+            elif seq.spec.params.controller == "goodput":
+                chain = len(draft_tree.first_path(prop.parents))
+                candidate = TreeCandidate(seq.spec, prop.parents, min(chain, req.k), room, prop.scores)
+                trees.append((i, candidate))
+                tokens += min(chain, req.k, room)
+            else:
+                out[i] = tree_proposal.cut(prop, list(range(min(len(prop.token_ids), room))))
+        if trees:
+            context = _mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
+            emitting = sum(s.samples for s in batch)
+            budget = max(0, self.config.max_num_batched_tokens - tokens)
+            kept = grow_trees([t for _, t in trees], emitting, tokens, budget, self.cost_model, context)
+            for (i, _), keep in zip(trees, kept, strict=True):
+                out[i] = tree_proposal.cut(drafted[i][1], keep)
+        return {i: p for i, p in sorted(out.items()) if p.token_ids}
 
     def _drafts(
         self,
@@ -497,27 +547,45 @@ class Engine:
         step: tuple[int, float],
         feed: tuple[Proposer, int, torch.Tensor] | None = None,  # proposer, first position, [n, hidden]
     ) -> None:
-        draft = proposal.token_ids
-        if draft:
+        draft, parents = proposal.token_ids, proposal.parents
+        path: list[int] = []  # accepted nodes
+        if draft and parents is not None:
+            if seq.params.greedy:
+                tree = verify_tree_greedy(processed, draft, parents)
+            else:
+                tree = verify_tree_sampled(processed, draft, parents, proposal.probs, seq.generator)
+            tokens, path = tree.token_ids, tree.path
+            self._keep_path(seq, path)
+        elif draft:
             if seq.params.greedy:
                 result = verify_greedy(processed, draft)
             else:
                 result = verify_sampled(processed, draft, proposal.probs, seq.generator)
-            tokens, accepted = result.token_ids, result.num_accepted
-            # The accepted drafts' keys/values are valid; the rejected tail is rewound by truncation.
+            tokens, path = result.token_ids, list(range(result.num_accepted))
+        else:
+            tokens = sample(processed, rows)
+        accepted = len(path)
+        if draft:
+            # The accepted path's keys/values are valid; the rest is rewound by truncation.
             seq.num_computed_tokens += accepted
             self.block_manager.truncate(seq, seq.num_computed_tokens)
-        else:
-            tokens, accepted = sample(processed, rows), 0
+        emitted = [0, *(n + 1 for n in path)]  # logit rows (= feature rows) behind the emitted tokens
         if feed is not None:
             proposer, start, hidden = feed
             # Features of the positions whose tokens stand: the step's real tokens and accepted drafts.
-            valid = hidden.shape[0] - len(draft) + accepted
-            proposer.observe_hidden(seq.request_id, start, hidden[:valid])
-        lps = token_logprobs(raw[: len(tokens)], tokens, rows[: len(tokens)])
+            real = hidden.shape[0] - len(draft)
+            proposer.observe_hidden(
+                seq.request_id, start, hidden[[*range(real - 1), *(real - 1 + r for r in emitted)]]
+            )
+        lps = token_logprobs(raw[emitted], tokens, [rows[r] for r in emitted])
         if seq.spec is not None and seq.stats.spec is not None and draft:
-            seq.spec.observe(len(draft), accepted)
-            seq.stats.spec.record(len(draft), accepted, *step)
+            if parents is None:
+                seq.spec.observe(len(draft), accepted)
+                seq.stats.spec.record(len(draft), accepted, *step)
+            else:
+                seq.spec.observe_walk(tree_proposal.walk(parents, path, proposal.scores))
+                depth = max(draft_tree.depths(parents))
+                seq.stats.spec.record(len(draft), accepted, *step, depth=depth)
         num_before = seq.num_tokens
         for token, lp in zip(tokens, lps, strict=True):
             self._append_token(seq, token, lp, now)
@@ -527,6 +595,15 @@ class Engine:
             self.proposer(seq.stats.spec.method).commit(
                 seq.request_id, seq.token_ids, seq.num_tokens - num_before
             )
+
+    def _keep_path(self, seq: Sequence, path: list[int]) -> None:
+        """A verified tree's accepted nodes hold the positions after the root: where a node was verified
+        at another slot (off the tree's first path), its keys and values move into place."""
+        base = seq.num_computed_tokens  # the root's position + 1: node j was verified at base + j
+        moves = [(base + node, base + depth) for depth, node in enumerate(path) if node != depth]
+        if moves:
+            src, dst = zip(*moves, strict=True)
+            self.runner.keep_path(seq.block_table, src, dst)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -553,11 +630,15 @@ class Engine:
         proposer = self.proposer(seq.stats.spec.method)
         return proposer if proposer.needs_hidden else None
 
-    def _forward_item(self, s: ScheduledSequence, draft: list[int]) -> ForwardItem:
+    def _forward_item(self, s: ScheduledSequence, draft: Proposal) -> ForwardItem:
         seq = s.seq
         start = seq.num_computed_tokens
-        tokens = seq.token_ids[start : start + s.num_tokens] + draft
-        return ForwardItem(tokens, start, seq.block_table, (1 + len(draft)) if s.samples else 0)
+        tokens = seq.token_ids[start : start + s.num_tokens] + draft.token_ids
+        num_logits = (1 + len(draft.token_ids)) if s.samples else 0
+        tree = None
+        if draft.parents is not None:  # drafts follow one real token (speculating sequences decode)
+            tree = [-1, *(p + 1 for p in draft.parents)]
+        return ForwardItem(tokens, start, seq.block_table, num_logits, tree)
 
     def _sampling_row(self, seq: Sequence, extra: Seq[int]) -> SamplingRow:
         p = seq.params

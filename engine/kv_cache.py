@@ -40,6 +40,12 @@ class KVCache:
         self.k[layer].index_copy_(1, slots, key.to(self.k.dtype))
         self.v[layer].index_copy_(1, slots, value.to(self.v.dtype))
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys / values at slots src [n] to slots dst [n]: an accepted tree path
+        whose nodes were verified at scattered slots moves to the consecutive ones after its root."""
+        self.k.index_copy_(2, dst, self.k.index_select(2, src))
+        self.v.index_copy_(2, dst, self.v.index_select(2, src))
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values at `slots` ([S]) as [kv_heads, S, head_dim]."""
         return self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)

@@ -174,6 +174,15 @@ class ModelRunner:
             features = [packed[r.start : r.stop] for r in token_rows]
         return logits, features  # [num_logits, vocab]
 
+    def keep_path(self, block_table: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
+        """Keys / values (and kept features) of positions `src` of a sequence copied to positions `dst`:
+        a verified tree's accepted nodes into the positions their tokens now hold."""
+        src_slots = self.layout.slots(block_table, torch.tensor(list(src))).to(self.device)
+        dst_slots = self.layout.slots(block_table, torch.tensor(list(dst))).to(self.device)
+        self.kv_cache.move(src_slots, dst_slots)
+        if self.features is not None:
+            self.features.index_copy_(0, dst_slots, self.features.index_select(0, src_slots))
+
     def cached_features(self, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
         """The kept final-norm features [num_tokens, hidden] of a sequence's first positions."""
         assert self.features is not None, "features are kept only with prefix caching"

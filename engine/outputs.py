@@ -26,6 +26,10 @@ class SpecStats:
     per_step_accepted: list[int] = field(default_factory=list)
     per_step_batch_tokens: list[int] = field(default_factory=list)  # tokens in the whole forward pass
     per_step_ms: list[float] = field(default_factory=list)  # that pass's forward time
+    # Draft trees: steps whose draft branched, and per step the draft's depth (its length for a chain;
+    # per_step_drafted is then the tree's node count and per_step_accepted the accepted depth).
+    num_tree_drafts: int = 0
+    per_step_depth: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -38,12 +42,28 @@ class SpecStats:
     def draft_acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
-    def record(self, drafted: int, accepted: int, batch_tokens: int = 0, step_ms: float = 0.0) -> None:
+    @property
+    def mean_draft_nodes(self) -> float:
+        """Drafted tokens (tree nodes) per verification step."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def record(
+        self,
+        drafted: int,
+        accepted: int,
+        batch_tokens: int = 0,
+        step_ms: float = 0.0,
+        depth: int | None = None,  # a tree's depth; None: a chain of `drafted` tokens
+    ) -> None:
         self.num_drafts += 1
+        if depth is not None:
+            self.num_tree_drafts += 1
+        deepest = drafted if depth is None else depth
+        self.per_step_depth.append(deepest)
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        if len(self.num_accepted_tokens_per_pos) < drafted:
-            self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
+        if len(self.num_accepted_tokens_per_pos) < deepest:  # by depth: position i is depth i + 1
+            self.num_accepted_tokens_per_pos.extend([0] * (deepest - len(self.num_accepted_tokens_per_pos)))
         for i in range(accepted):
             self.num_accepted_tokens_per_pos[i] += 1
         self.per_step_drafted.append(drafted)
@@ -82,6 +102,7 @@ class RequestStats:
                 per_step_accepted=list(self.spec.per_step_accepted),
                 per_step_batch_tokens=list(self.spec.per_step_batch_tokens),
                 per_step_ms=list(self.spec.per_step_ms),
+                per_step_depth=list(self.spec.per_step_depth),
             )
         return replace(self, token_times=list(self.token_times), spec=spec)
 

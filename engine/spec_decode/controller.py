@@ -8,6 +8,15 @@
   one step already emits many tokens, so small gains stop paying and k falls to 0.
 - `static`: always `num_speculative_tokens`.
 - `heuristic`: Hugging Face's schedule: +2 after a fully accepted draft, -1 otherwise.
+
+Draft trees: k is a tree's depth, and its first path (the chain) is what k buys. `grow_trees` then
+adds branch nodes across the batch the same way, best expected gain first, while each one raises
+goodput. A node's gain is the product of its path's edge probabilities: the proposer's score for
+the node (its draft probability, a continuation's share) scaled by how well the request has found
+those scores to predict acceptance; for a proposer without scores, what the request has learnt per
+sibling rank (the chance that the target's token is the rank-r child where the children before it
+were not). Under load every extra token costs more than it gains, so trees shrink to chains, then
+to nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +32,10 @@ ACCEPTANCE_EWMA = 0.15
 # Per step without drafts, estimates drift this far back toward the prior, so a request that
 # stopped speculating (low acceptance) probes again later instead of staying off for good.
 ACCEPTANCE_RELAX = 0.01
+# Prior chance that a node's second (third, ...) child holds the target's token when the children
+# before it do not; learnt per request from the trees it verifies.
+BRANCH_PRIOR = 0.25
+MAX_RANKS = 8
 
 
 @dataclass(slots=True)
@@ -31,19 +44,64 @@ class SpecState:
 
     params: SpecParams
     alpha: list[float] = field(default_factory=list)  # P(draft j accepted | drafts < j accepted)
+    # branch[r - 1]: P(the rank-r child is accepted | no child before it was, it exists)
+    branch: list[float] = field(default_factory=list)
     k_current: int = 0  # the heuristic controller's running draft length
+    # Calibration of the proposer's node scores: at nodes visited, how often some child was accepted
+    # against the children's summed scores (EWMAs); their ratio scales a score into a probability.
+    score_hits: float = 1.0
+    score_mass: float = 1.0
 
     def __post_init__(self) -> None:
         self.alpha = [self.params.acceptance_prior] * self.params.k_max
+        self.branch = [BRANCH_PRIOR] * MAX_RANKS
         self.k_current = min(max(self.params.num_speculative_tokens, self.params.k_min), self.params.k_max)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        for j in range(min(num_accepted + 1, num_drafted)):
-            hit = 1.0 if j < num_accepted else 0.0
-            self.alpha[j] += ACCEPTANCE_EWMA * (hit - self.alpha[j])
-        if num_drafted:
-            grown = self.k_current + 2 if num_accepted == num_drafted else self.k_current - 1
+        """A verified chain."""
+        visits: list[tuple[int, int | None, float | None]] = [(1, 0, None)] * num_accepted
+        if num_accepted < num_drafted:
+            visits.append((1, None, None))
+        self.observe_walk(visits)
+
+    def observe_walk(self, visits: Sequence[tuple[int, int | None, float | None]]) -> None:
+        """A verified draft, as the walk down it: per node visited that has children, how many it has,
+        the rank of the one accepted (None: none was) and the children's summed scores (None: the
+        proposer gave none)."""
+        for _, taken, mass in visits:
+            if mass is not None:
+                hit = 0.0 if taken is None else 1.0
+                self.score_hits += ACCEPTANCE_EWMA * (hit - self.score_hits)
+                self.score_mass += ACCEPTANCE_EWMA * (min(1.0, mass) - self.score_mass)
+        for j, (num_children, taken, _) in enumerate(visits[: len(self.alpha)]):
+            self.alpha[j] += ACCEPTANCE_EWMA * ((1.0 if taken == 0 else 0.0) - self.alpha[j])
+            if taken == 0:
+                continue
+            for r in range(1, min(num_children, MAX_RANKS + 1)):
+                hit = 1.0 if taken == r else 0.0
+                self.branch[r - 1] += ACCEPTANCE_EWMA * (hit - self.branch[r - 1])
+                if hit:
+                    break
+        if visits:
+            full = all(taken is not None for _, taken, _ in visits)
+            grown = self.k_current + 2 if full else self.k_current - 1
             self.k_current = min(max(grown, self.params.k_min, 1), self.params.k_max)
+
+    def scored(self, score: float) -> float:
+        """P(a node with proposer score `score` is accepted | its parent was), calibrated."""
+        trust = min(4.0, max(0.25, self.score_hits / max(self.score_mass, 1e-6)))
+        return min(1.0, score * trust)
+
+    def edge(self, depth: int, rank: int) -> float:
+        """P(a node's rank-`rank` child, `depth` deep (1: a child of the root), is accepted | the node
+        was)."""
+        a = self.alpha[min(depth, len(self.alpha)) - 1] if self.alpha else self.params.acceptance_prior
+        if rank == 0:
+            return a
+        p = 1.0 - a
+        for r in range(1, rank):
+            p *= 1.0 - self.branch[min(r, MAX_RANKS) - 1]
+        return p * self.branch[min(rank, MAX_RANKS) - 1]
 
     def relax(self) -> None:
         prior = self.params.acceptance_prior
@@ -145,3 +203,76 @@ def _marginal(state: SpecState, k: int) -> float:
 
 def _gain(state: SpecState, k: int) -> float:
     return sum(_marginal(state, j) for j in range(k))
+
+
+@dataclass(slots=True)
+class TreeCandidate:
+    state: SpecState
+    parents: Sequence[int]  # the proposer's tree (engine/spec_decode/draft_tree.py)
+    chain: int  # nodes of its first path already chosen (the k choose_k gave it, or fewer)
+    cap: int  # at most this many nodes in all (KV room)
+    scores: Sequence[float] | None = None  # the proposer's per-node scores (Proposal.scores)
+
+
+def grow_trees(
+    candidates: Sequence[TreeCandidate],
+    num_emitting: int,
+    num_tokens: int,
+    budget: int,
+    cost: CostModel,
+    context: float = 0.0,
+) -> list[list[int]]:
+    """Nodes to verify per candidate (ascending, closed under ancestors): each one's chosen first
+    path, then branch nodes across the batch, best expected gain first, while one more token in a step
+    of `num_tokens` tokens (chains included) emitting `num_emitting` raises expected goodput; at most
+    `budget` nodes added in all."""
+    kept: list[set[int]] = []
+    gains: list[list[float]] = []
+    expected = float(num_emitting)
+    heap: list[tuple[float, int, int]] = []
+    kids: list[dict[int, list[int]]] = []
+    for ci, c in enumerate(candidates):
+        n = len(c.parents)
+        kid: dict[int, list[int]] = {}
+        for i, p in enumerate(c.parents):
+            kid.setdefault(p, []).append(i)
+        kids.append(kid)
+        gain = [0.0] * n
+        depth = [0] * n
+        for i, p in enumerate(c.parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+            base = 1.0 if p < 0 else gain[p]
+            edge = (
+                c.state.edge(depth[i], kid[p].index(i)) if c.scores is None else c.state.scored(c.scores[i])
+            )
+            gain[i] = base * edge
+        gains.append(gain)
+        chain: set[int] = set()
+        at = -1
+        while len(chain) < min(c.chain, c.cap) and kid.get(at):
+            at = kid[at][0]
+            chain.add(at)
+        kept.append(chain)
+        expected += sum(gain[i] for i in chain)
+        for node in (-1, *chain):
+            for child in kid.get(node, []):
+                if child not in chain:
+                    heapq.heappush(heap, (-gain[child], ci, child))
+    total = num_tokens
+    step = cost.forward_time(total, context)
+    added = 0
+    while heap and added < budget:
+        neg_gain, ci, node = heapq.heappop(heap)
+        if len(kept[ci]) >= candidates[ci].cap:
+            continue
+        new_step = cost.forward_time(total + 1, context)
+        if (expected - neg_gain) * step <= expected * new_step:
+            break  # the best remaining node does not pay; nor does any other
+        kept[ci].add(node)
+        total += 1
+        added += 1
+        expected -= neg_gain
+        step = new_step
+        for child in kids[ci].get(node, []):
+            heapq.heappush(heap, (-gains[ci][child], ci, child))
+    return [sorted(k) for k in kept]

@@ -106,7 +106,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,  # [t, s] bool over all keys; None: causal
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         c = self.c
         b, t, _ = x.shape
@@ -119,10 +123,10 @@ class Attention(nn.Module):
         s = k.shape[2]
         groups = c.num_attention_heads // c.num_key_value_heads
         kr, vr = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, H, s, d]
-        # Query j sits at key index s - t + j and sees every key up to it.
-        mask = torch.arange(s, device=x.device).view(1, s) <= torch.arange(s - t, s, device=x.device).view(
-            t, 1
-        )
+        if mask is None:  # query j sits at key index s - t + j and sees every key up to it
+            mask = torch.arange(s, device=x.device).view(1, s) <= torch.arange(
+                s - t, s, device=x.device
+            ).view(t, 1)
         out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # [b, H, t, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
@@ -149,9 +153,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        attn, kv = self.self_attn(x, positions, past)
+        attn, kv = self.self_attn(x, positions, past, mask)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -173,8 +181,9 @@ class EagleHead(nn.Module):
         features: torch.Tensor,  # [b, t, hidden] target (or predicted) features f_i
         positions: torch.Tensor,  # [t] head positions i
         past: tuple[torch.Tensor, torch.Tensor] | None = None,  # keys / values [b, KV, s, d] before them
+        mask: torch.Tensor | None = None,  # [t, s + t] bool: the keys each input sees (a draft tree's)
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Predicted features f_{i+1} [b, t, hidden], and the keys / values with these positions added."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        out: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = self.layers[0](x, positions, past)
+        out: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = self.layers[0](x, positions, past, mask)
         return out

@@ -1,4 +1,9 @@
-"""Prompt lookup: draft what followed the most recent earlier occurrence of the last n tokens."""
+"""Prompt lookup: draft what followed the most recent earlier occurrence of the last n tokens.
+
+With a node budget it drafts a tree instead: the chain first, then what followed other earlier
+occurrences (of the longest n first, the most recent first), merged where they share a prefix. At a
+node, a continuation seen more often comes before one seen less (SGLang's n-gram proposer verifies
+such trees of matches too)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from specgate.engine.draft_tree import TreeBuilder
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, ProposerContext
 
 
@@ -32,6 +38,52 @@ def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]
     return []
 
 
+# Occurrences looked at per n when drafting a tree (the most recent ones).
+MAX_TREE_MATCHES = 32
+
+
+def ngram_tree(
+    tokens: np.ndarray, k: int, max_nodes: int, min_n: int, max_n: int
+) -> tuple[list[int], list[int], list[float]]:
+    """A draft tree (tokens, parents, scores) at most k deep and max_nodes large; its first path is
+    `ngram_draft`'s chain. A node's score: the share of the matched occurrences through its parent
+    that continue with its token."""
+    chain = ngram_draft(tokens, k, min_n, max_n)
+    if not chain:
+        return [], [], []
+    length = len(tokens)
+    counts: dict[tuple[int, ...], int] = {}  # continuation prefixes -> occurrences
+    paths: list[list[int]] = []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))[-MAX_TREE_MATCHES:]
+        for h in hits[::-1]:
+            cont = tokens[h + n : h + n + k].tolist()
+            if cont:
+                paths.append(cont)
+                for j in range(1, len(cont) + 1):
+                    counts[tuple(cont[:j])] = counts.get(tuple(cont[:j]), 0) + 1
+    builder = TreeBuilder(max_nodes)
+    builder.add_path(chain)
+    # Branch off where the most frequent continuations part from what is already in the tree.
+    for cont in sorted(paths, key=lambda c: [-counts[tuple(c[:j])] for j in range(1, len(c) + 1)]):
+        if builder.full:
+            break
+        builder.add_path(cont)
+    draft, parents, _ = builder.build()
+    through = [0] * len(draft)  # occurrences whose continuation passes through each node
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, draft, strict=True))}
+    for cont in paths:
+        at = -1
+        for t in cont:
+            at = child.get((at, t), -2)
+            if at < 0:
+                break
+            through[at] += 1
+    scores = [through[i] / (len(paths) if p < 0 else max(1, through[p])) for i, p in enumerate(parents)]
+    return draft, parents, scores
+
+
 class NgramProposer:
     autoregressive = False
     needs_hidden = False
@@ -46,10 +98,15 @@ class NgramProposer:
         pass
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        return [
-            Proposal(ngram_draft(np.asarray(r.token_ids, dtype=np.int64), r.k, self.min_n, self.max_n))
-            for r in requests
-        ]
+        out = []
+        for r in requests:
+            tokens = np.asarray(r.token_ids, dtype=np.int64)
+            if r.max_nodes > r.k:
+                draft, parents, scores = ngram_tree(tokens, r.k, r.max_nodes, self.min_n, self.max_n)
+                out.append(Proposal(draft, None, parents, scores))
+            else:
+                out.append(Proposal(ngram_draft(tokens, r.k, self.min_n, self.max_n)))
+        return out
 
     def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         pass

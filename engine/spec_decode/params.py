@@ -19,6 +19,9 @@ class SpecParams:
     num_speculative_tokens: int = 4
     # Prior per-position acceptance probability, e.g. measured for the request's workload class.
     acceptance_prior: float = 0.6
+    # Draft trees: at most this many drafted nodes per step for a proposer that drafts trees (at most
+    # k_max deep); the goodput controller keeps only the branches that pay. At most k: chains only.
+    max_tree_nodes: int = 16
 
     def __post_init__(self) -> None:
         if self.controller not in CONTROLLERS:
@@ -27,6 +30,8 @@ class SpecParams:
             raise ValueError(f"need 0 <= k_min <= k_max <= 64, got k_min={self.k_min}, k_max={self.k_max}")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in [0, 64]")
+        if not 0 <= self.max_tree_nodes <= 64:
+            raise ValueError("max_tree_nodes must be in [0, 64]")
         if not 0.0 <= self.acceptance_prior <= 1.0:
             raise ValueError("acceptance_prior must be in [0, 1]")
 

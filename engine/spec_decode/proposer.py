@@ -20,16 +20,26 @@ class ProposalRequest:
     request_id: str
     token_ids: Sequence[int]  # prompt + committed output
     num_prompt_tokens: int
-    k: int  # draft at most this many tokens
+    k: int  # draft at most this many tokens (a tree: at most this deep)
     row: SamplingRow  # sampling state, for proposers that sample from a distribution
+    # A proposer that drafts trees may return up to this many nodes (it must return a chain when it
+    # is at most k); one that drafts chains ignores it.
+    max_nodes: int = 0
 
 
 @dataclass(slots=True)
 class Proposal:
     token_ids: list[int]
     # Draft distributions [len(token_ids), vocab] after the request's logits processing, or None
-    # for a deterministic proposer (a point mass on each drafted token).
+    # for a deterministic proposer (a point mass on each drafted token). In a tree, row i is the
+    # law node i's token was drawn from given its siblings before it.
     probs: torch.Tensor | None = None
+    # A draft tree (engine/spec_decode/draft_tree.py): per node its parent node, -1 for a child of
+    # the root, in depth-first order with each node's best child first. None: a chain.
+    parents: list[int] | None = None
+    # Per node of a tree, the proposer's estimate that the target picks its token after its parent
+    # (a draft probability, a continuation's frequency); None: no estimate.
+    scores: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -59,7 +69,8 @@ class Proposer(Protocol):
         request with scope None neither reads nor feeds it."""
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
-        """Draft up to `k` tokens for each request (fewer, or none, is fine)."""
+        """Draft up to `k` tokens for each request (fewer, or none, is fine); a proposer that drafts
+        trees may return up to `max_nodes` nodes, at most `k` deep."""
         ...
 
     def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:

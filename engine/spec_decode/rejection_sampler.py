@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specgate.engine.draft_tree import children
+
 
 @dataclass(slots=True)
 class Verification:
@@ -64,3 +66,79 @@ def verify_sampled(
         dist = p[k]
     extra = int(torch.multinomial(dist, 1, generator=generator).item())
     return Verification([*draft[:n], extra], n)
+
+
+@dataclass(slots=True)
+class TreeVerification:
+    token_ids: list[int]  # the accepted path's tokens, then one recovered or bonus token
+    path: list[int]  # the accepted nodes, root's child first (len: the number accepted)
+
+
+def verify_tree_greedy(
+    processed: torch.Tensor,  # [n + 1, vocab]: row 0 the root's, row i + 1 node i's
+    draft: Sequence[int],
+    parents: Sequence[int],
+) -> TreeVerification:
+    """Walk down from the root while some child holds the target's argmax."""
+    target = processed.argmax(dim=-1).tolist()  # [n + 1]
+    kids = _children(draft, parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        token = target[node + 1]
+        nxt = kids.get(node, {}).get(token)
+        if nxt is None:
+            return TreeVerification([*(draft[i] for i in path), token], path)
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree_sampled(
+    processed: torch.Tensor,  # [n + 1, vocab] target logits after processing
+    draft: Sequence[int],
+    parents: Sequence[int],
+    draft_probs: torch.Tensor | None,  # [n, vocab]: the law node i's token was drawn from, or None
+    generator: torch.Generator | None,
+) -> TreeVerification:
+    """Multi-candidate rejection sampling (SpecInfer, arXiv 2305.09781; EAGLE's tree sampling).
+
+    At each node on the walk the children are tried in order, child c with the law q_c its token was
+    drawn from given the siblings before it (a point mass for a deterministic draft). With r the
+    target's law at the node, c is accepted with probability min(1, r(x_c) / q_c(x_c)); a rejection
+    replaces r by the normalized residual max(r - q_c, 0). When every child is rejected the emitted
+    token is drawn from the last r. Each step is one speculative-sampling step against the residual
+    left by the one before, so the emitted token follows the target's law exactly; for point masses
+    this is drawing from r with the rejected children's tokens removed."""
+    p = processed.softmax(dim=-1)  # [n + 1, vocab]
+    kids = children(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        r = p[node + 1]
+        for c in kids.get(node, []):
+            x = draft[c]
+            q_x = float(draft_probs[c, x]) if draft_probs is not None else 1.0
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * q_x < float(r[x]):  # accept with probability min(1, r(x) / q(x))
+                path.append(c)
+                node = c
+                break
+            if draft_probs is not None:
+                residual = (r - draft_probs[c]).clamp_(min=0.0)
+            else:
+                residual = r.clone()
+                residual[x] = 0.0
+            total = float(residual.sum())
+            # r == q_c up to rounding leaves no mass; r itself is then the right law.
+            r = residual / total if total > 0 else r
+        else:
+            extra = int(torch.multinomial(r, 1, generator=generator).item())
+            return TreeVerification([*(draft[i] for i in path), extra], path)
+
+
+def _children(draft: Sequence[int], parents: Sequence[int]) -> dict[int, dict[int, int]]:
+    """Node -> {token: child}; the first child wins where two siblings hold one token."""
+    out: dict[int, dict[int, int]] = {}
+    for i, par in enumerate(parents):
+        out.setdefault(par, {}).setdefault(int(draft[i]), i)
+    return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, ProposerContext
-from specgate.engine.spec_decode.suffix_tree import Node, SuffixTree, draft_from
+from specgate.engine.spec_decode.suffix_tree import Node, SuffixTree, draft_from, draft_tree_from
 
 
 @dataclass(slots=True)
@@ -30,6 +30,14 @@ class _Local:
     active: list[Node]
     num_indexed: int
     scope: str | None
+
+
+@dataclass(slots=True)
+class _Candidate:
+    tokens: list[int]
+    score: float  # its chain's expected accepted tokens
+    parents: list[int] | None = None  # a tree's
+    scores: list[float] | None = None  # its nodes' shares of their parents' continuations
 
 
 @dataclass(slots=True)
@@ -116,30 +124,34 @@ class SuffixProposer:
                     del self._shared[old_scope]
                 self._cached_tokens -= len(old)
 
-    def _candidate(self, tree: SuffixTree, context: Sequence[int], k: int) -> tuple[list[int], float]:
+    def _candidate(self, tree: SuffixTree, context: Sequence[int], r: ProposalRequest) -> _Candidate:
         found = tree.match(context, self.max_match)
         if found is None:
-            return [], 0.0
+            return _Candidate([], 0.0)
         node, length = found
-        limit = min(k, max(1, math.ceil(self.max_spec_factor * length)))
-        return draft_from(node, limit, self.min_token_prob)
+        limit = min(r.k, max(1, math.ceil(self.max_spec_factor * length)))
+        tokens, score = draft_from(node, limit, self.min_token_prob)
+        if r.max_nodes <= r.k or not tokens:
+            return _Candidate(tokens, score)
+        tree_tokens, parents, shares = draft_tree_from(node, limit, r.max_nodes, self.min_token_prob)
+        return _Candidate(tree_tokens, score, parents, shares)
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         out: list[Proposal] = []
         for r in requests:
             context = r.token_ids[-self.max_depth :]
             local = self._local.get(r.request_id)
-            best: tuple[list[int], float] = ([], 0.0)
+            best = _Candidate([], 0.0)
             scope: str | None = ""  # a request never started here (direct use) reads the default scope
             if local is not None:
                 self.commit(r.request_id, r.token_ids, 0)
-                best = self._candidate(local.tree, context, r.k)
+                best = self._candidate(local.tree, context, r)
                 scope = local.scope
             if scope is not None:
                 with self._lock:
                     cache = self._shared.get(scope)
-                    shared = self._candidate(cache.tree, context, r.k) if cache is not None else ([], 0.0)
-                if shared[1] > best[1]:
+                    shared = self._candidate(cache.tree, context, r) if cache is not None else best
+                if shared.score > best.score:
                     best = shared
-            out.append(Proposal(best[0]))
+            out.append(Proposal(best.tokens, None, best.parents, best.scores))
         return out

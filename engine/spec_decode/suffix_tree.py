@@ -8,7 +8,11 @@ the sequence that is still shorter than max_depth.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Sequence
+
+from specgate.engine.draft_tree import TreeBuilder
 
 
 class Node:
@@ -109,3 +113,34 @@ def draft_from(node: Node, max_tokens: int, min_prob: float) -> tuple[list[int],
         score += prob
         node = child
     return tokens, score
+
+
+def draft_tree_from(
+    node: Node, max_depth: int, max_nodes: int, min_prob: float
+) -> tuple[list[int], list[int], list[float]]:
+    """A draft tree (tokens, parents, scores: each node's share of its parent's continuations) of the
+    continuations below `node`: `draft_from`'s chain first,
+    then, best first, the nodes whose estimated path probability is highest and at least min_prob
+    (SuffixDecoding's speculation tree), at most max_depth deep and max_nodes large."""
+    builder = TreeBuilder(max_nodes)
+    builder.add_path(draft_from(node, max_depth, min_prob)[0])
+    tie = itertools.count()
+    # Candidates: (-path probability, tie, trie node, parent tree node, token, depth, conditional)
+    heap: list[tuple[float, int, Node, int, int, int, float]] = []
+
+    def push(trie: Node, parent: int, prob: float, depth: int) -> None:
+        if depth >= max_depth or not trie.children:
+            return
+        total = sum(c.count for c in trie.children.values())
+        for token, child in trie.children.items():
+            share = child.count / total
+            if prob * share >= min_prob:
+                heapq.heappush(heap, (-prob * share, next(tie), child, parent, token, depth + 1, share))
+
+    push(node, -1, 1.0, 0)
+    while heap and not builder.full:
+        neg, _, trie, parent, token, depth, share = heapq.heappop(heap)
+        added = builder.add(parent, token, share)
+        if added is not None:
+            push(trie, added, -neg, depth)
+    return builder.build()

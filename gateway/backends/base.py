@@ -33,7 +33,7 @@ class Observation:
     upstream: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0  # upstream attempts made, retries included
     # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
-    spec_steps: list[tuple[int, int, int, float]] = field(default_factory=list)
+    spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,8 @@ def add_eagle_parser(sub: Any) -> None:
                 "--resume", action="store_true", help="reuse samples.pt and checkpoint.pt in --out"
             )
             p.add_argument("--random-init", action="store_true", help="start from noise, not the identity")
+            p.add_argument("--ttt-steps", type=int, default=0, help="EAGLE-3 training-time test passes (0-4)")
+            p.add_argument("--init-head", default=None, help="fine-tune this head directory")
         else:
             p.add_argument("--head", default=None, help="head directory (default: the shipped one)")
             p.add_argument("--methods", default="eagle,ngram,suffix")

@@ -87,7 +87,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.spec != "off":
         from specgate.engine.spec_decode.params import SpecParams
 
-        spec = SpecParams(method=args.spec, controller=args.spec_controller, k_max=args.k_max)
+        spec = SpecParams(
+            method=args.spec,
+            controller=args.spec_controller,
+            k_max=args.k_max,
+            max_tree_nodes=args.max_tree_nodes,
+        )
     engine.add_request("cli", prompt_ids, params, spec)
     start = time.perf_counter()
     final = None
@@ -276,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--spec", default="off", help="speculation method: off, ngram, suffix (default off)")
     gen.add_argument("--spec-controller", default="goodput", choices=list(CONTROLLERS))
-    gen.add_argument("--k-max", type=int, default=8, help="longest draft")
+    gen.add_argument("--k-max", type=int, default=8, help="longest draft (a tree's depth)")
+    gen.add_argument(
+        "--max-tree-nodes", type=int, default=16, help="draft tree node budget per step (0: chains only)"
+    )
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")

@@ -169,4 +169,7 @@ def spec_decoding(stats: RequestStats) -> dict[str, Any]:
         "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
         "mean_acceptance_length": spec.mean_acceptance_length,
         "draft_acceptance_rate": spec.draft_acceptance_rate,
+        "num_tree_drafts": spec.num_tree_drafts,
+        "mean_draft_nodes": spec.mean_draft_nodes,
+        "mean_accepted_depth": spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0,
     }

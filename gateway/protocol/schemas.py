@@ -102,6 +102,8 @@ class SpecRequest(BaseModel):
     k_min: int | None = Field(None, ge=0, le=MAX_SPEC_K)
     k_max: int | None = Field(None, ge=0, le=MAX_SPEC_K)
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+    # Draft trees: at most this many drafted nodes per step (0: chains only).
+    max_tree_nodes: int | None = Field(None, ge=0, le=MAX_SPEC_K)
 
     @model_validator(mode="after")
     def _bounds(self) -> SpecRequest:

@@ -47,7 +47,8 @@ class RequestRecord:
     class_confidence: float | None = None
     features: dict[str, Any] = field(default_factory=dict)  # what the routing policy saw
     # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
-    spec_steps: list[tuple[int, int, int, float]] = field(default_factory=list)
+    # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.
+    spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:

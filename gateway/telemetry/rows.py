@@ -63,6 +63,8 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
         "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
         "num_accepted_tokens_per_pos": spec.get("num_accepted_tokens_per_pos"),
+        "num_tree_drafts": spec.get("num_tree_drafts"),
+        "mean_draft_nodes": spec.get("mean_draft_nodes"),
         "upstream": rec.upstream or None,
     }
 
@@ -76,8 +78,9 @@ def step_rows(rec: RequestRecord) -> list[dict[str, Any]]:
             "accepted": a,
             "batch_tokens": b,
             "step_ms": ms,
+            "depth": depth,
         }
-        for i, (k, a, b, ms) in enumerate(rec.spec_steps)
+        for i, (k, a, b, ms, depth) in enumerate(rec.spec_steps)
     ]
 
 

@@ -88,7 +88,10 @@ requests = Table(
     Column("num_accepted_tokens", Integer),
     Column("mean_acceptance_length", Float),
     Column("draft_acceptance_rate", Float),
-    Column("num_accepted_tokens_per_pos", JSON),
+    Column("num_accepted_tokens_per_pos", JSON),  # by depth when drafts are trees
+    # Draft trees: verification steps whose draft branched; drafted tokens (tree nodes) per step.
+    Column("num_tree_drafts", Integer),
+    Column("mean_draft_nodes", Float),
     Column("upstream", JSON),  # what an external backend reported (vLLM metrics, SGLang meta_info...)
     Index(None, "received_at"),
     Index(None, "model", "received_at"),
@@ -108,6 +111,9 @@ spec_steps = Table(
     Column("accepted", Integer, nullable=False),
     Column("batch_tokens", Integer),
     Column("step_ms", Float),
+    # The draft's depth: k_proposed for a chain, less for a tree of k_proposed nodes (then
+    # `accepted` is the accepted path's depth).
+    Column("depth", Integer),
     UniqueConstraint("request_id", "step_index"),
 )
 

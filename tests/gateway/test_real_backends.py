@@ -72,6 +72,12 @@ class LlamaServer:
             "1",
             "--n_ctx",
             "2048",
+            # Prompts evaluated a token at a time: llama.cpp's batched CPU path, built for this
+            # machine's units, segfaults on this GGUF's multi-token prompts on some CPUs (seen with
+            # llama-cpp-python 0.3.36 on a Xeon with AMX-INT8); one token per decode never did,
+            # and the prompts here are short.
+            "--n_batch",
+            "1",
         ]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -266,6 +266,7 @@ class EmbeddedBackend:
                     st.per_step_accepted,
                     st.per_step_batch_tokens,
                     st.per_step_ms,
+                    st.per_step_depth,
                     strict=True,
                 )
             )

@@ -20,9 +20,12 @@ def acceptance_by_class(
     max_prompt_tokens: int,
     progress: Callable[[int], None],
 ) -> dict[str, dict[str, Any]]:
-    """Greedy runs with a static draft length `k`: per class, mean accepted length (accepted drafts
-    per verification step, plus the one token every step yields) and draft acceptance rate."""
-    spec = SpecParams(method=method, controller="static", num_speculative_tokens=k, k_min=k, k_max=k)
+    """Greedy runs with a static chain of `k` drafts: per class, mean accepted length (accepted drafts
+    per verification step, plus the one token every step yields) and draft acceptance rate. Chains,
+    not trees: the figure is the drafter's own, comparable across heads and methods."""
+    spec = SpecParams(
+        method=method, controller="static", num_speculative_tokens=k, k_min=k, k_max=k, max_tree_nodes=0
+    )
     added = submit(engine, items, f"eval-{method}", max_tokens, max_prompt_tokens, progress, spec)
     classes = {rid: category for rid, (category, _) in added.items()}
     steps: dict[str, int] = defaultdict(int)

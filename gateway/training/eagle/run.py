@@ -32,6 +32,8 @@ class RunConfig:
     draft_vocab: int = 8192  # 0: the whole vocabulary
     resume: bool = False
     random_init: bool = False
+    ttt_steps: int = 0  # EAGLE-3 training-time test passes
+    init_head: str | None = None  # start from this head directory (fine-tuning), not the identity
 
     def __post_init__(self) -> None:
         for name in ("train_per_class", "eval_per_class", "max_tokens", "max_prompt_tokens", "batch", "k"):
@@ -89,7 +91,14 @@ def train_and_evaluate(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     tokens = sum(len(s.token_ids) - s.prompt_len for s in samples)
     sys.stdout.write(f"{len(samples)} samples, {tokens} answer tokens\n")
     head = init_head(engine.runner, identity=not cfg.random_init)
-    tcfg = TrainConfig(steps=cfg.steps, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=cfg.seed)
+    if cfg.init_head is not None:
+        from specgate.engine.spec_decode.eagle_io import load_head
+
+        start, _ = load_head(Path(cfg.init_head), engine.runner.hidden_size, engine.runner.vocab_size)
+        head.load_state_dict(start.float().state_dict())
+    tcfg = TrainConfig(
+        steps=cfg.steps, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=cfg.seed, ttt_steps=cfg.ttt_steps
+    )
     with tqdm(total=tcfg.steps, desc="training", unit="step") as bar:
 
         def on_step(step: int, m: dict[str, float]) -> None:

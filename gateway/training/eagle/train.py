@@ -35,10 +35,16 @@ class TrainConfig:
     checkpoint_every: int = 100
     prompt_loss: bool = True  # supervise prompt positions too (more data from the same passes)
     weight_decay: float = 0.01
+    # EAGLE-3's training-time test: after the teacher-forced pass, this many more passes feed the
+    # head its own predicted features, each position attending as a draft step would (the real pairs
+    # before its draft began, then its own earlier draft steps).
+    ttt_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_tokens < 8 or self.lr <= 0:
             raise ValueError("steps >= 1, batch_tokens >= 8 and lr > 0 are required")
+        if not 0 <= self.ttt_steps <= 4:
+            raise ValueError("ttt_steps must be in [0, 4]")
 
 
 def init_head(runner: ModelRunner, identity: bool = True) -> EagleHead:
@@ -71,11 +77,14 @@ def batch_loss(
     noise: float,
     ce_weight: float,
     prompt_loss: bool = True,
+    ttt_steps: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Teacher-forced over each sample: head position i reads (x_{i+1}, f_i) and predicts f_{i+1},
     and through the LM head the token the target itself picks after position i + 1. Supervised over
     the whole sequence (the prompt's features are the target's too), or with `prompt_loss` off
-    from the last prompt position on (where drafting starts)."""
+    from the last prompt position on (where drafting starts). With `ttt_steps`, pass j reads at
+    position i the feature pass j - 1 predicted for it and is supervised with the same targets: the
+    j + 1-th step of a draft that began after position i - j (`ttt_mask`). Losses average over passes."""
     vlosses, plosses, hits, count = [], [], 0, 0
     for s in samples:
         assert s.features is not None
@@ -85,20 +94,39 @@ def batch_loss(
         inp = feats[:-1]
         if noise > 0:
             inp = inp + (torch.rand_like(inp) - 0.5) * 2 * noise * feats.std()
-        pred, _ = head(embed[ids[1:]].unsqueeze(0), inp.unsqueeze(0), torch.arange(t - 1))
-        pred = pred[0]  # [T - 1, hidden]: predicted f_1 .. f_{T-1}
+        embeds = embed[ids[1:]].unsqueeze(0)  # [1, T - 1, hidden]
+        positions = torch.arange(t - 1)
+        out, kv = head(embeds, inp.unsqueeze(0), positions)
+        preds = [out[0]]  # per pass [T - 1, hidden]: predicted f_1 .. f_{T-1}
+        for j in range(1, ttt_steps + 1):
+            fed = torch.cat([feats[:1], preds[-1][:-1]])  # position i reads the feature predicted for it
+            out, kv = head(embeds, fed.unsqueeze(0), positions, kv, ttt_mask(t - 1, j))
+            preds.append(out[0])
         first = 0 if prompt_loss else max(0, s.prompt_len - 1)
-        vlosses.append(F.smooth_l1_loss(pred[first:], feats[1:][first:], reduction="sum") / feats.shape[1])
-        logits = pred[first:] @ lm_head.T  # [n, vocab]
         target = target_choices(s, lm_head)[1:][first:]  # the target's pick after f_{i+1}
-        plosses.append(F.cross_entropy(logits, target, reduction="sum"))
-        hits += int((logits.argmax(-1) == target).sum())
+        for j, pred in enumerate(preds):
+            vlosses.append(
+                F.smooth_l1_loss(pred[first:], feats[1:][first:], reduction="sum") / feats.shape[1]
+            )
+            logits = pred[first:] @ lm_head.T  # [n, vocab]
+            plosses.append(F.cross_entropy(logits, target, reduction="sum"))
+            if j == 0:
+                hits += int((logits.argmax(-1) == target).sum())
         count += len(target)
-    n = max(1, count)
+    n = max(1, count) * (1 + ttt_steps)
     vloss = torch.stack(vlosses).sum() / n
     ploss = torch.stack(plosses).sum() / n if plosses else torch.zeros(())
-    metrics = {"vloss": float(vloss.detach()), "ploss": float(ploss.detach()), "acc": hits / n}
+    metrics = {"vloss": float(vloss.detach()), "ploss": float(ploss.detach()), "acc": hits / max(1, count)}
     return vloss + ce_weight * ploss, metrics
+
+
+def ttt_mask(n: int, j: int) -> torch.Tensor:
+    """[n, (j + 1) * n] bool for pass j over n positions, its keys after those of passes 0 .. j - 1:
+    position i sees pass 0's (real pairs') keys up to i - j and pass m's key at i - j + m."""
+    i = torch.arange(n).view(n, 1)
+    blocks = [torch.arange(n).view(1, n) <= i - j]
+    blocks += [torch.arange(n).view(1, n) == i - j + m for m in range(1, j + 1)]
+    return torch.cat(blocks, dim=1)
 
 
 @torch.no_grad()
@@ -164,7 +192,9 @@ def train(
         batch = [samples[i] for i in queue.pop()]
         for group in opt.param_groups:
             group["lr"] = cfg.lr * schedule(step)
-        loss, metrics = batch_loss(head, embed, lm_head, batch, cfg.noise, cfg.ce_weight, cfg.prompt_loss)
+        loss, metrics = batch_loss(
+            head, embed, lm_head, batch, cfg.noise, cfg.ce_weight, cfg.prompt_loss, cfg.ttt_steps
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)

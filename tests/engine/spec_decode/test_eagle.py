@@ -151,3 +151,63 @@ def test_a_draft_vocabulary_restricts_drafts_and_survives_a_round_trip(
     save_head(bad, tmp_path / "bad")
     with pytest.raises(ValueError, match="draft_vocab"):
         load_head(tmp_path / "bad", runner.hidden_size, runner.vocab_size)
+
+
+def reference_probs(runner: ModelRunner, head: EagleHead, tokens: list[int], path: list[int]) -> torch.Tensor:
+    """The head's draft distribution [vocab] after `tokens` and the drafted `path`, with no cache."""
+    feats = [*features(runner, tokens[:-1]).unbind(0)]
+    toks = [*tokens, *path]
+    with torch.no_grad():
+        predicted = None
+        for _ in range(len(path) + 1):
+            n = len(feats)
+            embeds = runner.embed_tokens()(torch.tensor([toks[1 : n + 1]]))
+            out, _ = head(embeds, torch.stack(feats).unsqueeze(0), torch.arange(n))
+            predicted = out[0, -1]
+            feats.append(predicted)
+        assert predicted is not None
+        return runner.lm_head()(predicted).float().softmax(-1)
+
+
+def test_a_tree_is_eagle_2s_best_nodes_by_path_probability(runner: ModelRunner, tiny_eagle_dir: Path) -> None:
+    """Every node holds one of its parent's top `tree_branch` draft tokens and scores its draft
+    probability there (each checked against a cache-free recompute along the node's path); the first
+    path is the greedy chain; no node left out has a higher path probability than one kept."""
+    from specgate.engine import draft_tree as dt
+
+    ctx = ProposerContext(
+        VOCAB_SIZE,
+        torch.device("cpu"),
+        "float32",
+        None,
+        {"head": str(tiny_eagle_dir), "tree_branch": 3, "tree_expand": 2},
+        runner,
+        "tiny",
+    )
+    eagle = EagleProposer(ctx)
+    head, _ = load_head(tiny_eagle_dir, runner.hidden_size, runner.vocab_size)
+    rng = random.Random(1)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(10)]
+    eagle.start("t", tokens[:-1])
+    eagle.observe_hidden("t", 0, features(runner, tokens[:-1]))
+    req = ProposalRequest("t", tokens, len(tokens), 3, SamplingRow(GREEDY, tokens, len(tokens), None), 8)
+    prop = eagle.propose([req])[0]
+    assert prop.parents is not None and prop.scores is not None
+    assert dt.is_valid(prop.parents) and 1 < len(prop.token_ids) <= 8
+    assert max(dt.depths(prop.parents)) <= 3
+    assert any(rank > 0 for rank in dt.ranks(prop.parents))  # it branches
+    path_prob = []
+    for i, parent in enumerate(prop.parents):
+        path = [prop.token_ids[j] for j in dt.path_to(prop.parents, parent)]
+        probs = reference_probs(runner, head, tokens, path)
+        top = probs.topk(3).indices.tolist()
+        assert prop.token_ids[i] in top, f"node {i}"
+        assert abs(prop.scores[i] - float(probs[prop.token_ids[i]])) < 1e-4
+        path_prob.append(prop.scores[i] * (1.0 if parent < 0 else path_prob[parent]))
+    first = [prop.token_ids[i] for i in dt.first_path(prop.parents)]
+    assert first == reference_drafts(runner, head, tokens, 3)[: len(first)]
+    # The same drafts again after a tree: the head's cache was rewound to the real pairs.
+    again = eagle.propose([req])[0]
+    assert again.token_ids == prop.token_ids and again.parents == prop.parents
+    chain = eagle.propose([ProposalRequest("t", tokens, len(tokens), 3, req.row, 0)])[0]
+    assert chain.parents is None and chain.token_ids == reference_drafts(runner, head, tokens, 3)

@@ -112,3 +112,34 @@ def test_proposer_drafts_each_request_of_a_batch_independently() -> None:
         p.commit(r.request_id, r.token_ids, 0)
         p.finish(r.request_id, r.token_ids)
     assert p.propose([]) == []
+
+
+def test_a_tree_merges_every_matched_continuation_with_the_chain_first() -> None:
+    from specgate.engine import draft_tree as dt
+    from specgate.engine.spec_decode.ngram import ngram_tree
+
+    # [2, 3] was followed by 7 8, by 9 5 and (most recently) by 7 6: the chain is 7 6.
+    tokens = np.asarray([2, 3, 7, 8, 1, 2, 3, 9, 5, 4, 2, 3, 7, 6, 0, 2, 3], dtype=np.int64)
+    chain = ngram_draft(tokens, 2, 2, 2)
+    assert chain == [7, 6]
+    draft, parents, scores = ngram_tree(tokens, 2, 16, 2, 2)
+    assert [draft[i] for i in dt.first_path(parents)] == chain
+    paths = {tuple(draft[j] for j in dt.path_to(parents, i)) for i in range(len(draft))}
+    assert paths == {(7,), (7, 6), (7, 8), (9,), (9, 5)}
+    by_path = {tuple(draft[j] for j in dt.path_to(parents, i)): scores[i] for i in range(len(draft))}
+    # 7 follows two of the three matches; after 7, 6 and 8 one each.
+    assert by_path[(7,)] == 2 / 3 and by_path[(9,)] == 1 / 3
+    assert by_path[(7, 6)] == by_path[(7, 8)] == 1 / 2 and by_path[(9, 5)] == 1.0
+    # A node budget keeps the chain and what fits after it.
+    small, small_parents, _ = ngram_tree(tokens, 2, 3, 2, 2)
+    assert len(small) == 3 and [small[i] for i in dt.first_path(small_parents)] == chain
+
+
+def test_the_proposer_drafts_trees_only_with_a_node_budget_above_k() -> None:
+    tokens = [2, 3, 7, 8, 1, 2, 3, 9, 5, 4, 2, 3, 7, 6, 0, 2, 3]
+    p = NgramProposer(context(min_n=2, max_n=2))
+    req = request("a", tokens, 2)
+    assert p.propose([req])[0].parents is None
+    req.max_nodes = 8
+    tree = p.propose([req])[0]
+    assert tree.parents is not None and len(tree.token_ids) == 5 and tree.scores is not None

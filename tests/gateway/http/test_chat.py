@@ -115,6 +115,26 @@ def test_speculation_is_lossless_and_reported(client: openai.OpenAI, model_name:
     assert plain.model_extra["metrics"]["spec_decoding"]["method"] is None  # type: ignore[index]
 
 
+def test_draft_trees_are_lossless_reported_and_bounded(client: openai.OpenAI, model_name: str) -> None:
+    messages = [{"role": "user", "content": "ab1 ab2 ab3 abc ab1 ab2 ab3 abc ab1 ab2 ab3 ab"}]
+    kw = dict(model=model_name, messages=messages, max_tokens=40, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body={"spec": {"method": "off"}})  # type: ignore[call-overload]
+    tree = client.chat.completions.create(  # type: ignore[call-overload]
+        **kw,
+        extra_body={"spec": {"method": "suffix", "controller": "static", "k_max": 4, "max_tree_nodes": 12}},
+    )
+    assert tree.choices[0].message.content == plain.choices[0].message.content
+    m = tree.model_extra["metrics"]
+    assert m["route"]["spec"]["max_tree_nodes"] == 12
+    sd = m["spec_decoding"]
+    assert {"num_tree_drafts", "mean_draft_nodes", "mean_accepted_depth"} <= set(sd)
+    assert 0 <= sd["num_tree_drafts"] <= sd["num_drafts"] and 0 <= sd["mean_draft_nodes"] <= 12
+    for bad in (-1, 65, "many", 2.5):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, extra_body={"spec": {"max_tree_nodes": bad}})  # type: ignore[call-overload]
+        assert err.value.status_code == 400 and "max_tree_nodes" in str(err.value)
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI, model_name: str) -> None:
     kw = dict(model=model_name, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.9, seed=123)
     a = client.chat.completions.create(**kw)  # type: ignore[call-overload]

@@ -37,8 +37,10 @@ def record(i: int, **kw: object) -> RequestRecord:
         "num_accepted_tokens_per_pos": [5, 3, 1],
         "mean_acceptance_length": 2.8,
         "draft_acceptance_rate": 0.6,
+        "num_tree_drafts": 1,
+        "mean_draft_nodes": 3.0,
     }
-    rec.spec_steps = [(3, 2, 7, 12.5), (3, 1, 7, 11.0)]
+    rec.spec_steps = [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)]  # the second a tree of 3 nodes, 2 deep
     rec.load = {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}}
     rec.finish()
     return rec
@@ -71,7 +73,14 @@ def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None
     engine = schema.make_engine(db_url)
     with engine.connect() as conn:
         row = conn.execute(select(requests).where(requests.c.request_id == "req-7")).mappings().one()
+        steps = conn.execute(
+            select(spec_steps.c.k_proposed, spec_steps.c.accepted, spec_steps.c.depth)
+            .where(spec_steps.c.request_id == "req-7")
+            .order_by(spec_steps.c.step_index)
+        ).all()
     engine.dispose()
+    assert [tuple(s) for s in steps] == [(3, 2, 3), (3, 1, 2)]
+    assert row["num_tree_drafts"] == 1 and row["mean_draft_nodes"] == 3.0
     assert row["spec_method"] == "ngram" and row["spec_controller"] == "goodput" and row["k_max"] == 8
     assert row["num_accepted_tokens"] == 9 and row["num_accepted_tokens_per_pos"] == [5, 3, 1]
     assert row["load_backend_in_flight"] == 2 and row["load_kv_usage"] == 0.25

@@ -40,7 +40,9 @@ def acceptance(make_engine: Callable[..., Engine], model: Path, head_dir: Path, 
     engine = make_engine(
         model=str(model), num_blocks=1024, proposer_options={"eagle": {"head": str(head_dir)}}
     )
-    spec = SpecParams(method="eagle", controller="static", num_speculative_tokens=3, k_min=3, k_max=3)
+    spec = SpecParams(
+        method="eagle", controller="static", num_speculative_tokens=3, k_min=3, k_max=3, max_tree_nodes=0
+    )
     for i, p in enumerate(ps):
         engine.add_request(f"e{i}", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), spec)
     drafted = accepted = 0
@@ -154,3 +156,54 @@ def test_draft_vocabulary_takes_the_most_frequent_tokens() -> None:
     assert ids.tolist() == [7, 8] and coverage == 1.0  # answer tokens count double
     ids, coverage = draft_vocabulary(samples, 1)
     assert ids.tolist() == [7] and coverage == pytest.approx(4 / 7)
+
+
+def test_training_time_test_passes_are_draft_steps() -> None:
+    """Pass 1 at position i equals a second draft step after the real pairs before i (the head run
+    over them, then fed its own prediction for position i); pass 2 a third step, after i - 1."""
+    from specgate.engine.spec_decode.eagle_head import EagleConfig, EagleHead
+    from specgate.gateway.training.eagle.train import ttt_mask
+
+    torch.manual_seed(0)
+    c = EagleConfig(
+        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=8
+    )
+    head = EagleHead(c).eval()
+    n = 7
+    embeds, feats = torch.randn(1, n, 16), torch.randn(1, n, 16)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        p0, kv = head(embeds, feats, pos)
+        fed1 = torch.cat([feats[:, :1], p0[:, :-1]], dim=1)
+        p1, kv = head(embeds, fed1, pos, kv, ttt_mask(n, 1))
+        fed2 = torch.cat([feats[:, :1], p1[:, :-1]], dim=1)
+        p2, _ = head(embeds, fed2, pos, kv, ttt_mask(n, 2))
+        for i in range(2, n):
+            # A draft that began after the real pairs 0 .. i - 2: steps at positions i - 1, then i.
+            _, real = head(embeds[:, : i - 1], feats[:, : i - 1], pos[: i - 1])
+            s1, kv1 = head(embeds[:, i - 1 : i], p0[:, i - 2 : i - 1], pos[i - 1 : i], real)
+            s2, _ = head(embeds[:, i : i + 1], s1, pos[i : i + 1], kv1)
+            assert torch.allclose(s2[0, 0], p2[0, i], atol=1e-5), f"pass 2, position {i}"
+            _, real = head(embeds[:, :i], feats[:, :i], pos[:i])
+            step, _ = head(embeds[:, i : i + 1], p0[:, i - 1 : i], pos[i : i + 1], real)
+            assert torch.allclose(step[0, 0], p1[0, i], atol=1e-5), f"pass 1, position {i}"
+    assert ttt_mask(3, 1).tolist() == [
+        [False, False, False, True, False, False],
+        [True, False, False, False, True, False],
+        [True, True, False, False, False, True],
+    ]
+
+
+def test_training_time_test_losses_are_finite(target: Path, make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(model=str(target), num_blocks=1024, pack_linears=False)
+    samples = distill(engine, prompts(4, seed=3), 12)
+    collect_features(engine.runner, samples, lambda n: None)
+    head = init_head(engine.runner)
+    embed = engine.runner.weight_of(engine.runner.embed_tokens()).detach().float()
+    lm = engine.runner.weight_of(engine.runner.lm_head()).detach().float()
+    loss, metrics = batch_loss(head, embed, lm, samples, 0.1, 0.1, True, ttt_steps=2)
+    loss.backward()
+    assert torch.isfinite(loss) and 0.0 <= metrics["acc"] <= 1.0
+    assert all(
+        p.grad is not None and torch.isfinite(p.grad).all() for p in head.parameters() if p.requires_grad
+    )
