@@ -30,16 +30,17 @@ class ForwardItem:
     start: int
     block_table: Sequence[int]  # must already cover start + len(token_ids) positions
     num_logits: int  # logits wanted for this many trailing positions
-    # A draft tree to verify: per token, the index of its parent token in this item (-1 for the first,
-    # which follows the context). Token j then sits at position start + its depth, attends to the
-    # context and its ancestors only, and its key / value goes to slot start + j all the same.
+    # A draft tree to verify: the first token is its root (the sequence's last committed token) and
+    # the rest its nodes, with their parents as in engine/draft_tree.py (-1: the root). Token j then
+    # sits at position start + its depth, attends to the context and its ancestors only, and its
+    # key / value goes to slot start + j all the same.
     tree: Sequence[int] | None = None
 
     def positions(self) -> torch.Tensor:
         """[len(token_ids)] position of each new token."""
         if self.tree is None:
             return torch.arange(self.start, self.start + len(self.token_ids))
-        return self.start + torch.tensor([0, *depths(_node_parents(self.tree))])
+        return self.start + torch.tensor([0, *depths(self.tree)])
 
     def mask(self, t: int, s: int) -> torch.Tensor:
         """[t, s] bool: which of the first s context slots each new token attends to; rows past the
@@ -48,15 +49,10 @@ class ForwardItem:
         q_pos = torch.arange(self.start, self.start + n).view(n, 1)
         rows = torch.arange(s).view(1, s) <= q_pos  # [n, s] causal over the slots
         if self.tree is not None:
-            rows[:, self.start : self.start + n] = ancestor_mask(_node_parents(self.tree))
+            rows[:, self.start : self.start + n] = ancestor_mask(self.tree)
         if t > n:
             rows = torch.cat([rows, rows[n - 1 :].expand(t - n, s)])
         return rows
-
-
-def _node_parents(tree: Sequence[int]) -> list[int]:
-    """An item's tree (token 0 the root) as draft-tree parents of tokens 1.. (-1: the root)."""
-    return [p - 1 for p in tree[1:]]
 
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[range]]

@@ -417,9 +417,10 @@ class Engine:
         bs = self.block_manager.block_size
         free_slots = self.block_manager.num_free_blocks * bs
         candidates = []
+        rooms: dict[int, int] = {}  # KV slots each speculating sequence could still take
         for i in speculating:
             seq = batch[i].seq
-            room = len(seq.block_table) * bs - seq.num_tokens + free_slots
+            room = rooms[i] = len(seq.block_table) * bs - seq.num_tokens + free_slots
             cap = min(
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
@@ -429,13 +430,15 @@ class Engine:
             method = seq.stats.spec.method
             candidates.append(Candidate(seq.spec, method, self.proposer(method).autoregressive, max(0, cap)))
         scheduled_tokens = sum(s.num_tokens for s in batch)
+        emitting = sum(s.samples for s in batch)
+        context = _mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
         ks = choose_k(
             candidates,
-            num_emitting=sum(s.samples for s in batch),
+            num_emitting=emitting,
             num_tokens=scheduled_tokens,
             budget=max(0, self.config.max_num_batched_tokens - scheduled_tokens),
             cost=self.cost_model,
-            context=_mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch),
+            context=context,
         )
         by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
         for i, c, k in zip(speculating, candidates, ks, strict=True):
@@ -448,7 +451,7 @@ class Engine:
                 row = self._sampling_row(seq, [])
                 req = ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes)
                 by_method.setdefault(c.method, []).append((i, req))
-        drafted: dict[int, tuple[ProposalRequest, Proposal]] = {}
+        drafted: dict[int, Proposal] = {}
         for method, reqs in by_method.items():
             proposer = self.proposer(method)
             t0 = time.perf_counter()
@@ -461,10 +464,10 @@ class Engine:
                 if problem is not None:
                     logger.warning("proposer %s returned %s; dropped", method, problem)
                 if checked is not None and not batch[i].seq.is_finished:
-                    drafted[i] = (req, checked)
+                    drafted[i] = checked
             steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
             self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
-        chosen = self._grow_trees(batch, drafted, scheduled_tokens)
+        chosen = self._grow_trees(batch, drafted, rooms, scheduled_tokens, emitting, context)
         for i, prop in chosen.items():
             seq = batch[i].seq
             for attempt in (prop, tree_proposal.first_path(prop)):
@@ -478,37 +481,34 @@ class Engine:
     def _grow_trees(
         self,
         batch: list[ScheduledSequence],
-        drafted: dict[int, tuple[ProposalRequest, Proposal]],
+        drafted: dict[int, Proposal],
+        rooms: dict[int, int],
         scheduled: int,
+        emitting: int,
+        context: float,
     ) -> dict[int, Proposal]:
-        """Drafts cut to the nodes worth verifying: a goodput-controlled tree keeps its first path up to
-        the k it was given and the branch nodes that pay in this step; other trees keep what they have
-        up to the KV room."""
+        """Drafts cut to the nodes worth verifying: a goodput-controlled tree keeps its first path (at
+        most the k it was given deep, as checked) and the branch nodes that pay in this step; other
+        trees keep what they have up to the KV room."""
         out: dict[int, Proposal] = {}
         trees: list[tuple[int, TreeCandidate]] = []
-        free_slots = self.block_manager.num_free_blocks * self.block_manager.block_size
         tokens = scheduled
-        for i, (req, prop) in drafted.items():
-            seq = batch[i].seq
-            room = len(seq.block_table) * self.block_manager.block_size - seq.num_tokens + free_slots
-            assert seq.spec is not None
+        for i, prop in drafted.items():
+            spec = batch[i].seq.spec
+            assert spec is not None
             if prop.parents is None:
                 out[i] = prop
                 tokens += len(prop.token_ids)
-            elif seq.spec.params.controller == "goodput":
-                chain = len(draft_tree.first_path(prop.parents))
-                candidate = TreeCandidate(seq.spec, prop.parents, min(chain, req.k), room, prop.scores)
-                trees.append((i, candidate))
-                tokens += min(chain, req.k, room)
+            elif spec.params.controller == "goodput":
+                trees.append((i, TreeCandidate(spec, prop.parents, rooms[i], prop.scores)))
+                tokens += min(len(draft_tree.first_path(prop.parents)), rooms[i])
             else:
-                out[i] = tree_proposal.cut(prop, list(range(min(len(prop.token_ids), room))))
+                out[i] = tree_proposal.cut(prop, list(range(min(len(prop.token_ids), rooms[i]))))
         if trees:
-            context = _mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
-            emitting = sum(s.samples for s in batch)
             budget = max(0, self.config.max_num_batched_tokens - tokens)
             kept = grow_trees([t for _, t in trees], emitting, tokens, budget, self.cost_model, context)
             for (i, _), keep in zip(trees, kept, strict=True):
-                out[i] = tree_proposal.cut(drafted[i][1], keep)
+                out[i] = tree_proposal.cut(drafted[i], keep)
         return {i: p for i, p in sorted(out.items()) if p.token_ids}
 
     def _drafts(
@@ -635,10 +635,8 @@ class Engine:
         start = seq.num_computed_tokens
         tokens = seq.token_ids[start : start + s.num_tokens] + draft.token_ids
         num_logits = (1 + len(draft.token_ids)) if s.samples else 0
-        tree = None
-        if draft.parents is not None:  # drafts follow one real token (speculating sequences decode)
-            tree = [-1, *(p + 1 for p in draft.parents)]
-        return ForwardItem(tokens, start, seq.block_table, num_logits, tree)
+        # A tree's root is the one real token (a speculating sequence decodes one at a time).
+        return ForwardItem(tokens, start, seq.block_table, num_logits, draft.parents)
 
     def _sampling_row(self, seq: Sequence, extra: Seq[int]) -> SamplingRow:
         p = seq.params

@@ -47,6 +47,11 @@ class SpecStats:
         """Drafted tokens (tree nodes) per verification step."""
         return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @property
+    def mean_accepted_depth(self) -> float:
+        """Accepted drafts (the accepted path's depth, for a tree) per verification step."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
     def record(
         self,
         drafted: int,

@@ -25,6 +25,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specgate.engine.draft_tree import children, depths, first_path, ranks
 from specgate.engine.spec_decode.cost_model import CostModel
 from specgate.engine.spec_decode.params import SpecParams
 
@@ -208,8 +209,7 @@ def _gain(state: SpecState, k: int) -> float:
 @dataclass(slots=True)
 class TreeCandidate:
     state: SpecState
-    parents: Sequence[int]  # the proposer's tree (engine/spec_decode/draft_tree.py)
-    chain: int  # nodes of its first path already chosen (the k choose_k gave it, or fewer)
+    parents: Sequence[int]  # the proposer's tree (engine/draft_tree.py), at most the k chosen deep
     cap: int  # at most this many nodes in all (KV room)
     scores: Sequence[float] | None = None  # the proposer's per-node scores (Proposal.scores)
 
@@ -222,36 +222,25 @@ def grow_trees(
     cost: CostModel,
     context: float = 0.0,
 ) -> list[list[int]]:
-    """Nodes to verify per candidate (ascending, closed under ancestors): each one's chosen first
-    path, then branch nodes across the batch, best expected gain first, while one more token in a step
-    of `num_tokens` tokens (chains included) emitting `num_emitting` raises expected goodput; at most
-    `budget` nodes added in all."""
+    """Nodes to verify per candidate (ascending, closed under ancestors): each one's first path (the
+    chain choose_k paid for), then branch nodes across the batch, best expected gain first, while one
+    more token in a step of `num_tokens` tokens (chains included) emitting `num_emitting` raises
+    expected goodput; at most `budget` nodes added in all."""
     kept: list[set[int]] = []
     gains: list[list[float]] = []
+    kids: list[dict[int, list[int]]] = []
     expected = float(num_emitting)
     heap: list[tuple[float, int, int]] = []
-    kids: list[dict[int, list[int]]] = []
     for ci, c in enumerate(candidates):
-        n = len(c.parents)
-        kid: dict[int, list[int]] = {}
-        for i, p in enumerate(c.parents):
-            kid.setdefault(p, []).append(i)
+        kid = children(c.parents)
         kids.append(kid)
-        gain = [0.0] * n
-        depth = [0] * n
+        depth, rank = depths(c.parents), ranks(c.parents)
+        gain: list[float] = []
         for i, p in enumerate(c.parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-            base = 1.0 if p < 0 else gain[p]
-            edge = (
-                c.state.edge(depth[i], kid[p].index(i)) if c.scores is None else c.state.scored(c.scores[i])
-            )
-            gain[i] = base * edge
+            edge = c.state.edge(depth[i], rank[i]) if c.scores is None else c.state.scored(c.scores[i])
+            gain.append((1.0 if p < 0 else gain[p]) * edge)
         gains.append(gain)
-        chain: set[int] = set()
-        at = -1
-        while len(chain) < min(c.chain, c.cap) and kid.get(at):
-            at = kid[at][0]
-            chain.add(at)
+        chain = set(first_path(c.parents)[: c.cap])
         kept.append(chain)
         expected += sum(gain[i] for i in chain)
         for node in (-1, *chain):

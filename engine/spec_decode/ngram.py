@@ -22,20 +22,28 @@ def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]
 
     tokens: [L] int array of prompt + output. All windows are compared at once per n.
     """
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = tokens[length - n :]
-        # Windows of tokens[:-1] start at 0 .. L-1-n, so the pattern's own position is excluded.
-        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        hits = _matches(tokens, n)
         if len(hits):
-            # The most recent occurrence predicts best, unless its continuation runs into the end of
-            # the text (in a repeating stretch it always does): then take the latest full-length one.
-            available = np.minimum(k, length - hits - n)  # [num_hits]
-            start = int(hits[available == available.max()][-1]) + n
-            draft: list[int] = tokens[start : start + k].tolist()
-            return draft
+            return _chain(tokens, hits, n, k)
     return []
+
+
+def _matches(tokens: np.ndarray, n: int) -> np.ndarray:
+    """Start positions of the earlier occurrences of the last n tokens."""
+    # Windows of tokens[:-1] start at 0 .. L-1-n, so the pattern's own position is excluded.
+    windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]
+    return np.flatnonzero((windows == tokens[len(tokens) - n :]).all(axis=1))
+
+
+def _chain(tokens: np.ndarray, hits: np.ndarray, n: int, k: int) -> list[int]:
+    """What followed the best of `hits` (occurrences of the last n tokens), at most k tokens."""
+    # The most recent occurrence predicts best, unless its continuation runs into the end of the text
+    # (in a repeating stretch it always does): then take the latest full-length one.
+    available = np.minimum(k, len(tokens) - hits - n)  # [num_hits]
+    start = int(hits[available == available.max()][-1]) + n
+    draft: list[int] = tokens[start : start + k].tolist()
+    return draft
 
 
 # Occurrences looked at per n when drafting a tree (the most recent ones).
@@ -48,21 +56,21 @@ def ngram_tree(
     """A draft tree (tokens, parents, scores) at most k deep and max_nodes large; its first path is
     `ngram_draft`'s chain. A node's score: the share of the matched occurrences through its parent
     that continue with its token."""
-    chain = ngram_draft(tokens, k, min_n, max_n)
-    if not chain:
-        return [], [], []
-    length = len(tokens)
+    chain: list[int] = []
     counts: dict[tuple[int, ...], int] = {}  # continuation prefixes -> occurrences
     paths: list[list[int]] = []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))[-MAX_TREE_MATCHES:]
-        for h in hits[::-1]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        hits = _matches(tokens, n)
+        if len(hits) and not chain:  # the longest n that matches gives the chain, as in ngram_draft
+            chain = _chain(tokens, hits, n, k)
+        for h in hits[-MAX_TREE_MATCHES:][::-1]:
             cont = tokens[h + n : h + n + k].tolist()
             if cont:
                 paths.append(cont)
                 for j in range(1, len(cont) + 1):
                     counts[tuple(cont[:j])] = counts.get(tuple(cont[:j]), 0) + 1
+    if not chain:
+        return [], [], []
     builder = TreeBuilder(max_nodes)
     builder.add_path(chain)
     # Branch off where the most frequent continuations part from what is already in the tree.
@@ -71,15 +79,10 @@ def ngram_tree(
             break
         builder.add_path(cont)
     draft, parents, _ = builder.build()
-    through = [0] * len(draft)  # occurrences whose continuation passes through each node
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, draft, strict=True))}
-    for cont in paths:
-        at = -1
-        for t in cont:
-            at = child.get((at, t), -2)
-            if at < 0:
-                break
-            through[at] += 1
+    prefix: list[tuple[int, ...]] = []  # each node's path from the root
+    for token, p in zip(draft, parents, strict=True):
+        prefix.append((*(prefix[p] if p >= 0 else ()), token))
+    through = [counts.get(path, 0) for path in prefix]  # occurrences continuing through each node
     scores = [through[i] / (len(paths) if p < 0 else max(1, through[p])) for i, p in enumerate(parents)]
     return draft, parents, scores
 

@@ -34,10 +34,10 @@ class _Local:
 
 @dataclass(slots=True)
 class _Candidate:
-    tokens: list[int]
-    score: float  # its chain's expected accepted tokens
-    parents: list[int] | None = None  # a tree's
-    scores: list[float] | None = None  # its nodes' shares of their parents' continuations
+    tokens: list[int]  # the chain
+    score: float  # its expected accepted tokens
+    node: Node | None = None  # the matched trie node it continues
+    limit: int = 0  # the draft's length limit there
 
 
 @dataclass(slots=True)
@@ -124,17 +124,22 @@ class SuffixProposer:
                     del self._shared[old_scope]
                 self._cached_tokens -= len(old)
 
-    def _candidate(self, tree: SuffixTree, context: Sequence[int], r: ProposalRequest) -> _Candidate:
+    def _candidate(self, tree: SuffixTree, context: Sequence[int], k: int) -> _Candidate:
         found = tree.match(context, self.max_match)
         if found is None:
             return _Candidate([], 0.0)
         node, length = found
-        limit = min(r.k, max(1, math.ceil(self.max_spec_factor * length)))
+        limit = min(k, max(1, math.ceil(self.max_spec_factor * length)))
         tokens, score = draft_from(node, limit, self.min_token_prob)
-        if r.max_nodes <= r.k or not tokens:
-            return _Candidate(tokens, score)
-        tree_tokens, parents, shares = draft_tree_from(node, limit, r.max_nodes, self.min_token_prob)
-        return _Candidate(tree_tokens, score, parents, shares)
+        return _Candidate(tokens, score, node, limit)
+
+    def _proposal(self, c: _Candidate, r: ProposalRequest) -> Proposal:
+        """The winning candidate's chain, or with a node budget its speculation tree (built only for
+        the candidate that won, and under the lock when its trie is the shared one)."""
+        if r.max_nodes <= r.k or not c.tokens or c.node is None:
+            return Proposal(c.tokens)
+        tokens, parents, shares = draft_tree_from(c.node, c.tokens, c.limit, r.max_nodes, self.min_token_prob)
+        return Proposal(tokens, None, parents, shares)
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         out: list[Proposal] = []
@@ -145,13 +150,14 @@ class SuffixProposer:
             scope: str | None = ""  # a request never started here (direct use) reads the default scope
             if local is not None:
                 self.commit(r.request_id, r.token_ids, 0)
-                best = self._candidate(local.tree, context, r)
+                best = self._candidate(local.tree, context, r.k)
                 scope = local.scope
+            proposal = None
             if scope is not None:
                 with self._lock:
                     cache = self._shared.get(scope)
-                    shared = self._candidate(cache.tree, context, r) if cache is not None else best
-                if shared.score > best.score:
-                    best = shared
-            out.append(Proposal(best.tokens, None, best.parents, best.scores))
+                    shared = self._candidate(cache.tree, context, r.k) if cache is not None else best
+                    if shared.score > best.score:
+                        proposal = self._proposal(shared, r)
+            out.append(proposal if proposal is not None else self._proposal(best, r))
         return out

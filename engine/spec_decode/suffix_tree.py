@@ -116,14 +116,14 @@ def draft_from(node: Node, max_tokens: int, min_prob: float) -> tuple[list[int],
 
 
 def draft_tree_from(
-    node: Node, max_depth: int, max_nodes: int, min_prob: float
+    node: Node, chain: Sequence[int], max_depth: int, max_nodes: int, min_prob: float
 ) -> tuple[list[int], list[int], list[float]]:
     """A draft tree (tokens, parents, scores: each node's share of its parent's continuations) of the
-    continuations below `node`: `draft_from`'s chain first,
-    then, best first, the nodes whose estimated path probability is highest and at least min_prob
-    (SuffixDecoding's speculation tree), at most max_depth deep and max_nodes large."""
+    continuations below `node`: `chain` first (`draft_from(node, max_depth, min_prob)`'s, which the
+    caller has), then, best first, the nodes whose estimated path probability is highest and at least
+    min_prob (SuffixDecoding's speculation tree), at most max_depth deep and max_nodes large."""
     builder = TreeBuilder(max_nodes)
-    builder.add_path(draft_from(node, max_depth, min_prob)[0])
+    builder.add_path(chain)
     tie = itertools.count()
     # Candidates: (-path probability, tie, trie node, parent tree node, token, depth, conditional)
     heap: list[tuple[float, int, Node, int, int, int, float]] = []

@@ -171,5 +171,5 @@ def spec_decoding(stats: RequestStats) -> dict[str, Any]:
         "draft_acceptance_rate": spec.draft_acceptance_rate,
         "num_tree_drafts": spec.num_tree_drafts,
         "mean_draft_nodes": spec.mean_draft_nodes,
-        "mean_accepted_depth": spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0,
+        "mean_accepted_depth": spec.mean_accepted_depth,
     }

@@ -31,7 +31,7 @@ def runner(tiny_llama_dir: Path) -> ModelRunner:
 
 
 def _tree_item(root: int, start: int, table: list[int], tokens: list[int], parents: list[int]) -> ForwardItem:
-    return ForwardItem([root, *tokens], start, table, 1 + len(tokens), [-1, *(p + 1 for p in parents)])
+    return ForwardItem([root, *tokens], start, table, 1 + len(tokens), parents)
 
 
 def _chain_logits(runner: ModelRunner, prompt: list[int], table: list[int], path: list[int]) -> torch.Tensor:

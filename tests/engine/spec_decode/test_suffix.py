@@ -350,8 +350,8 @@ def test_a_speculation_tree_keeps_the_likeliest_continuations() -> None:
     for seq in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 9]):
         tree.add(seq)
     node = tree.root.children[1]  # after 1: 2 (4 of 5), 9 (1 of 5)
-    tokens, parents, scores = draft_tree_from(node, 3, 16, 0.1)
     chain, _ = draft_from(node, 3, 0.1)
+    tokens, parents, scores = draft_tree_from(node, chain, 3, 16, 0.1)
     assert [tokens[i] for i in dt.first_path(parents)] == chain == [2, 3, 4]
     got = {tuple(tokens[j] for j in dt.path_to(parents, i)): round(scores[i], 3) for i in range(len(tokens))}
     # Path probabilities: 2 .8, 2 3 .6, 2 3 4 .4, 2 6 .2, 2 3 5 .2, 9 .2, 2 6 7 .2; all >= 0.1.
@@ -365,8 +365,8 @@ def test_a_speculation_tree_keeps_the_likeliest_continuations() -> None:
         (9,): 0.2,
     }
     # A budget of 5: the chain, then the best two others by path probability (ties in push order).
-    tokens, parents, _ = draft_tree_from(node, 3, 5, 0.1)
+    tokens, parents, _ = draft_tree_from(node, chain, 3, 5, 0.1)
     assert len(tokens) == 5 and [tokens[i] for i in dt.first_path(parents)] == [2, 3, 4]
     # A minimum probability of 0.3 keeps the chain (its nodes are >= 0.4) and nothing else.
-    tokens, parents, _ = draft_tree_from(node, 3, 16, 0.3)
+    tokens, parents, _ = draft_tree_from(node, draft_from(node, 3, 0.3)[0], 3, 16, 0.3)
     assert tokens == [2, 3, 4] and dt.is_chain(parents)

@@ -48,7 +48,7 @@ def test_scores_are_calibrated_by_what_was_accepted() -> None:
 def test_cheap_tokens_grow_branches_dear_tokens_keep_the_chain() -> None:
     cheap = FixedCosts(lambda n: 1.0 + 0.001 * n)
     dear = FixedCosts(lambda n: float(n))
-    c = TreeCandidate(state(), PARENTS, chain=3, cap=16)
+    c = TreeCandidate(state(), PARENTS, cap=16)
     assert grow_trees([c], 1, 4, 64, cheap) == [[0, 1, 2, 3, 4, 5]]
     assert grow_trees([c], 1, 4, 64, dear) == [[0, 1, 2]]
 
@@ -58,10 +58,10 @@ def test_branches_go_best_gain_first_within_budget_and_cap() -> None:
     # Node 5 (a second child under the accepted-first node 0) scores high, node 3 low: by scores,
     # node 5 comes before node 3, and node 4 needs node 3 first.
     scores = [0.9, 0.9, 0.9, 0.05, 0.9, 0.5]
-    c = TreeCandidate(state(), PARENTS, chain=3, cap=16, scores=scores)
+    c = TreeCandidate(state(), PARENTS, cap=16, scores=scores)
     assert grow_trees([c], 1, 4, 1, costs) == [[0, 1, 2, 5]]
     assert grow_trees([c], 1, 4, 2, costs) == [[0, 1, 2, 3, 5]]
-    capped = TreeCandidate(state(), PARENTS, chain=3, cap=4, scores=scores)
+    capped = TreeCandidate(state(), PARENTS, cap=4, scores=scores)
     assert grow_trees([capped], 1, 4, 64, costs) == [[0, 1, 2, 5]]
 
 
@@ -69,14 +69,14 @@ def test_a_branch_must_beat_the_goodput_it_dilutes() -> None:
     """With 3% per extra token, a branch of gain g pays in a step expecting E tokens only if
     (E + g) / E > 1.03: a low-scored branch is dropped, a high-scored one kept."""
     costs = FixedCosts(lambda n: 1.0 + 0.03 * (n - 1))
-    low = TreeCandidate(state(), [-1, -1], chain=1, cap=4, scores=[0.9, 0.02])
-    high = TreeCandidate(state(), [-1, -1], chain=1, cap=4, scores=[0.5, 0.4])
+    low = TreeCandidate(state(), [-1, -1], cap=4, scores=[0.9, 0.02])
+    high = TreeCandidate(state(), [-1, -1], cap=4, scores=[0.5, 0.4])
     assert grow_trees([low], 1, 2, 8, costs) == [[0]]
     assert grow_trees([high], 1, 2, 8, costs) == [[0, 1]]
 
 
 def test_a_batch_shares_one_budget_best_gain_first() -> None:
     costs = FixedCosts(lambda n: 1.0 + 0.001 * n)
-    a = TreeCandidate(state(), [-1, -1], chain=1, cap=4, scores=[0.5, 0.1])
-    b = TreeCandidate(state(), [-1, -1], chain=1, cap=4, scores=[0.5, 0.4])
+    a = TreeCandidate(state(), [-1, -1], cap=4, scores=[0.5, 0.1])
+    b = TreeCandidate(state(), [-1, -1], cap=4, scores=[0.5, 0.4])
     assert grow_trees([a, b], 2, 4, 1, costs) == [[0], [0, 1]]
