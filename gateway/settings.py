@@ -114,6 +114,10 @@ class BackendSettings(BaseModel):
     health_interval: float = Field(5.0, ge=0)  # 0 disables background probes
     max_response_bytes: int = Field(32 * 2**20, ge=1024)  # a bigger upstream body is a 502
     max_event_bytes: int = Field(2**20, ge=1024)  # a bigger SSE line or event is a 502
+    # Backends with the same group are replicas of one deployment (the same weights behind
+    # several servers): a conversation sticks to one of them while it is healthy and not
+    # overloaded, so that the replica's prefix cache holds its earlier turns (`affinity`).
+    replica_group: str | None = Field(None, min_length=1, max_length=64)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -138,6 +142,26 @@ class ModelRoute(BaseModel):
     spec: SpecParams | None = None
 
 
+class AffinitySettings(BaseModel):
+    """Session and prefix affinity across the replicas of a `replica_group` (routing/affinity.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    # Bounded load: a replica takes a conversation while its requests in flight stay within this
+    # factor of the group's mean (consistent hashing with bounded loads); above it, the next on
+    # the ring does. Lower spreads load more evenly, higher keeps conversations home more often.
+    load_factor: float = Field(1.25, gt=1.0, le=100.0)
+    # ...but a replica with fewer requests than this in flight always keeps its conversations: at
+    # light load the mean is tiny and the bound alone would move them for no gain.
+    spill_after: int = Field(8, ge=1, le=1_000_000)
+    # Points per replica on the hash ring: more spread keys more evenly across replicas.
+    ring_points: int = Field(64, ge=1, le=4096)
+    # Without a `user` field, a conversation is known by its leading messages (the system and
+    # developer messages and the first user message), and a completion by this many leading
+    # characters of its prompt.
+    prompt_chars: int = Field(512, ge=16, le=65536)
+
+
 class TelemetrySettings(BaseModel):
     """Where request rows go. `url` None: a SQLite file in the user's data directory."""
 
@@ -157,7 +181,9 @@ class TelemetrySettings(BaseModel):
     flush_interval: float = Field(0.2, gt=0)
     max_queue: int = Field(100_000, ge=1)
     retry_interval: float = Field(1.0, gt=0)
-    spec_steps_sample_rate: float = Field(0.0, ge=0.0, le=1.0)  # share of requests with per-step rows
+    # Share of speculative requests whose verification steps get rows (spec_steps): the measured
+    # step cost by batch size that tells the routing policy where speculation stops paying.
+    spec_steps_sample_rate: float = Field(0.05, ge=0.0, le=1.0)
 
 
 class PolicySettings(BaseModel):
@@ -222,6 +248,7 @@ class Settings(BaseSettings):
     embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
     routes: dict[str, ModelRoute] = Field(default_factory=dict)
+    affinity: AffinitySettings = Field(default_factory=AffinitySettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
     ui: UISettings = Field(default_factory=UISettings)

@@ -44,6 +44,13 @@ class Decision:
     explored: bool = False
     # Per arm key: predicted output tokens/s (mean, spread) and TPOT, where a model predicted.
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The probability that this policy, in this state, takes `arm` for this request (exploration
+    # and Thompson sampling included): what off-policy evaluation weighs the logged outcome by.
+    propensity: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.propensity <= 1.0:
+            raise ValueError("propensity must be in (0, 1]")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +64,7 @@ class Decision:
             "explored": self.explored,
             "reason": self.reason,
             "predictions": self.predictions,
+            "propensity": self.propensity,
         }
 
 

@@ -41,10 +41,13 @@ class TrainingRow:
     received_at: float = 0.0
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    propensity: float | None = None  # the logging policy's chance of this arm; None: not logged
 
     def __post_init__(self) -> None:
         if not self.tokens_per_s > 0:
             raise ValueError("tokens_per_s must be positive")
+        if self.propensity is not None and not 0.0 < self.propensity <= 1.0:
+            raise ValueError("propensity must be in (0, 1]")
 
 
 def vector(features: dict[str, float]) -> np.ndarray:

@@ -1,18 +1,41 @@
 """Hard limits every policy obeys: healthy backends only, safe methods for structured output, no
-speculation under a large batch."""
+speculation where the batch makes verification cost more than it saves: past the crossover that
+the measured step cost says (step_cost.py) for the arm's class and method, or, before anything is
+measured, past the rules' `max_batch_for_spec`."""
 
 from __future__ import annotations
 
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
+from specgate.policies.priors import DEFAULT_PRIOR
 from specgate.policies.rules import RuleConfig
+from specgate.policies.step_cost import StepCost
 
 
 def large_batch(ctx: DecisionContext, rules: RuleConfig) -> bool:
     return 0 < rules.max_batch_for_spec <= ctx.load.batch
 
 
-def safe_arms(ctx: DecisionContext, rules: RuleConfig) -> tuple[list[Arm], list[str]]:
+def k_bound(ctx: DecisionContext, rules: RuleConfig) -> int:
+    """The longest draft the rules allow this request (a rule of K 0 leaves the engine's 1-4)."""
+    rule = rules.rule_for(ctx.label, ctx.confidence)
+    return rule.k_max if rule.k_max > 0 else 4
+
+
+def best_k(
+    ctx: DecisionContext, rules: RuleConfig, cost: StepCost, priors: dict[str, float], arm: Arm
+) -> int:
+    """The draft length that pays most for this arm once this request joins the batch (0: none pays)."""
+    p = priors.get(f"{ctx.label}:{arm.method}", DEFAULT_PRIOR)
+    return cost.best_k(ctx.load.batch + 1, p, k_bound(ctx, rules))
+
+
+def safe_arms(
+    ctx: DecisionContext,
+    rules: RuleConfig,
+    cost: StepCost | None = None,
+    priors: dict[str, float] | None = None,
+) -> tuple[list[Arm], list[str]]:
     """The arms this request may take, in preference order, and why others were dropped."""
     why: list[str] = []
     healthy = [
@@ -30,7 +53,16 @@ def safe_arms(ctx: DecisionContext, rules: RuleConfig) -> tuple[list[Arm], list[
         arms = [a for a in arms if not a.speculative or a.method in rules.structured_methods]
         if len(arms) < len(healthy):
             why.append("structured output: only " + ", ".join(rules.structured_methods) + " may speculate")
-    if large_batch(ctx, rules):
+    if cost is not None:
+        paying = [a for a in arms if not a.speculative or best_k(ctx, rules, cost, priors or {}, a) > 0]
+        dropped = [a.key for a in arms if a not in paying]
+        if dropped and paying:
+            if any(a.speculative for a in paying):
+                why.append(f"batch {ctx.load.batch}: {', '.join(dropped)} past the measured crossover")
+            else:
+                why.append(f"batch {ctx.load.batch} past the measured crossover: speculation off")
+            arms = paying
+    elif large_batch(ctx, rules):
         kept = [a for a in arms if not a.speculative]
         if kept:
             why.append(f"batch {ctx.load.batch} >= {rules.max_batch_for_spec}: speculation off")

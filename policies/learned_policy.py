@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, vector
 from specgate.policies.guards import safe_arms
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
+from specgate.policies.step_cost import StepCost
 
 
 class LearnedPolicy:
@@ -24,15 +27,16 @@ class LearnedPolicy:
         priors: dict[str, float] | None = None,
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         self.rules = rules
         self.model = model
         self.budget = budget or ExplorationBudget(rules.exploration_cap)
-        self.fallback = RulePolicy(rules, priors, self.budget, seed)
+        self.fallback = RulePolicy(rules, priors, self.budget, seed, cost)
         self.rng = random.Random(seed)
 
     def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
-        arms, why = safe_arms(ctx, self.rules)
+        arms, why = safe_arms(ctx, self.rules, self.fallback.cost, self.fallback.priors)
         modelled = [a for a in arms if a.key in self.model.arms]
         if not modelled:
             decision = self.fallback.decide(ctx, explore)
@@ -42,18 +46,32 @@ class LearnedPolicy:
         preds = {a: self.model.arms[a.key].predict(x) for a in modelled}
         greedy = max(modelled, key=lambda a: preds[a].log_mean)
         pick, explored = greedy, False
+        shares = {greedy: 1.0}  # the probability of each arm this decision could have taken
         if explore:
+            allowed = self.budget.allows()  # a pure check: the same answer for both branches below
             unmodelled = [a for a in arms if a.key not in self.model.arms]
-            if unmodelled and self.rng.random() < self.rules.exploration_rate and self.budget.allows():
+            scale = self.rules.thompson_scale
+            sampling = scale > 0 and len(modelled) > 1
+            if sampling:
+                ts = thompson_shares(
+                    [preds[a].log_mean for a in modelled], [preds[a].log_std for a in modelled], scale
+                )
+                # A sample other than the greedy arm is taken only within the budget.
+                shares = {a: float(p) * allowed for a, p in zip(modelled, ts, strict=True)}
+                shares[greedy] = 1.0 - sum(p for a, p in shares.items() if a != greedy)
+            if unmodelled and allowed:
+                rate = self.rules.exploration_rate
+                shares = {a: p * (1.0 - rate) for a, p in shares.items()}
+                shares.update({a: rate / len(unmodelled) for a in unmodelled})
+            if unmodelled and self.rng.random() < self.rules.exploration_rate and allowed:
                 pick = self.rng.choice(unmodelled)
                 why.append(f"exploring {pick.key} (no model yet)")
-            elif self.rules.thompson_scale > 0 and len(modelled) > 1:
-                scale = self.rules.thompson_scale
+            elif sampling:
                 sampled = max(
                     modelled,
                     key=lambda a: preds[a].log_mean + scale * preds[a].log_std * self.rng.gauss(0.0, 1.0),
                 )
-                if sampled != greedy and self.budget.allows():
+                if sampled != greedy and allowed:
                     pick = sampled
                     why.append(f"Thompson sample picked {pick.key} over {greedy.key}")
             explored = pick != greedy
@@ -62,4 +80,24 @@ class LearnedPolicy:
         why.insert(0, f"{ctx.label}: best predicted {greedy.key} at {best.tokens_per_s:.1f} tok/s")
         decision = self.fallback.finish(ctx, pick, "; ".join(why), explored)
         decision.predictions = {a.key: p.as_dict() for a, p in preds.items()}
+        # Thompson shares are estimated from a fixed set of draws: an arm that was in fact sampled
+        # is never given less than one draw's worth.
+        decision.propensity = min(1.0, max(shares.get(pick, 0.0), 1.0 / THOMPSON_DRAWS))
         return decision
+
+
+THOMPSON_DRAWS = 512
+# Fixed standard normal draws [THOMPSON_DRAWS, arms]: the same request in the same policy state
+# always gets the same propensity; columns are added as a decision has more arms.
+_Z = np.random.default_rng(20261201).standard_normal((THOMPSON_DRAWS, 16))
+
+
+def thompson_shares(log_means: list[float], log_stds: list[float], scale: float) -> np.ndarray:
+    """How often each arm wins a Thompson draw (mean + scale * spread * z), estimated on fixed
+    draws. Ties go to the first arm, as `max` does."""
+    n = len(log_means)
+    z = _Z[:, :n] if n <= _Z.shape[1] else np.random.default_rng(n).standard_normal((THOMPSON_DRAWS, n))
+    samples = np.asarray(log_means) + scale * np.asarray(log_stds) * z  # [draws, arms]
+    wins = np.bincount(samples.argmax(axis=1), minlength=n)  # [arms]
+    shares: np.ndarray = wins / THOMPSON_DRAWS
+    return shares

@@ -8,8 +8,9 @@ import random
 from specgate.policies.arms import OFF, Arm
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.guards import safe_arms
+from specgate.policies.guards import best_k, safe_arms
 from specgate.policies.rules import RuleConfig
+from specgate.policies.step_cost import StepCost
 
 
 class RulePolicy:
@@ -21,28 +22,32 @@ class RulePolicy:
         priors: dict[str, float] | None = None,
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         self.rules = rules
         self.priors = priors or {}
+        self.cost = cost  # measured step cost: where speculation stops paying (None: the constant)
         self.budget = budget or ExplorationBudget(rules.exploration_cap)
         self.rng = random.Random(seed)
 
     def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
-        arms, why = safe_arms(ctx, self.rules)
+        arms, why = safe_arms(ctx, self.rules, self.cost, self.priors)
         target = self.target(ctx, arms, why)
         explored = False
-        if (
-            explore
-            and len(arms) > 1
-            and self.rng.random() < self.rules.exploration_rate
-            and self.budget.allows()
-        ):
+        # Exploration happens with probability `rate` when the budget allows it (a pure check), to
+        # an arm drawn uniformly from the others: the propensity of either outcome is known exactly.
+        rate = self.rules.exploration_rate if explore and len(arms) > 1 and self.budget.allows() else 0.0
+        propensity = 1.0 - rate
+        if explore and len(arms) > 1 and self.rng.random() < self.rules.exploration_rate and rate > 0:
             target = self.rng.choice([a for a in arms if a != target])
             explored = True
+            propensity = rate / (len(arms) - 1)
             why.append(f"exploring {target.key}")
         if explore:
             self.budget.note(explored)
-        return self.finish(ctx, target, "; ".join(why), explored)
+        decision = self.finish(ctx, target, "; ".join(why), explored)
+        decision.propensity = propensity
+        return decision
 
     def target(self, ctx: DecisionContext, arms: list[Arm], why: list[str]) -> Arm:
         backend = arms[0].backend
@@ -70,6 +75,10 @@ class RulePolicy:
         k_min, k_max = (rule.k_min, rule.k_max) if rule.k_max > 0 else (1, 4)
         if not arm.speculative:
             k_min = k_max = 0
+        elif self.cost is not None:
+            # K no longer than what pays at this batch, by the measured step cost.
+            k_max = max(1, min(k_max, best_k(ctx, self.rules, self.cost, self.priors, arm) or k_max))
+            k_min = min(k_min, k_max)
         return Decision(
             arm=arm,
             reason=reason,

@@ -14,6 +14,7 @@ from specgate.policies.goodput import GoodputModel
 from specgate.policies.learned_policy import LearnedPolicy
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
+from specgate.policies.step_cost import StepCost
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class PolicyState:
     rules: RuleConfig = field(default_factory=RuleConfig)
     model: GoodputModel | None = None
     priors: dict[str, float] = field(default_factory=dict)
+    # The engine's measured step cost by batch tokens: where speculation stops paying.
+    step_cost: StepCost | None = None
 
     @property
     def kind(self) -> str:
@@ -30,21 +33,23 @@ class PolicyState:
         budget = budget or ExplorationBudget(self.rules.exploration_cap)
         budget.cap = self.rules.exploration_cap
         if self.model is not None and self.model.arms:
-            return LearnedPolicy(self.rules, self.model, self.priors, budget, seed)
-        return RulePolicy(self.rules, self.priors, budget, seed)
+            return LearnedPolicy(self.rules, self.model, self.priors, budget, seed, self.step_cost)
+        return RulePolicy(self.rules, self.priors, budget, seed, self.step_cost)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "rules": self.rules.as_dict(),
             "model": None if self.model is None else self.model.as_dict(),
             "priors": dict(self.priors),
+            "step_cost": None if self.step_cost is None else self.step_cost.as_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PolicyState:
-        model = d.get("model")
+        model, cost = d.get("model"), d.get("step_cost")
         return cls(
             RuleConfig.from_dict(d.get("rules") or {}),
             None if model is None else GoodputModel.from_dict(model),
             dict(d.get("priors") or {}),
+            None if cost is None else StepCost.from_dict(cost),
         )

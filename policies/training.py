@@ -1,5 +1,9 @@
 """Retraining: fit a candidate policy on older telemetry, evaluate it against the current one on the
-newest rows, and say whether it should be promoted."""
+newest rows, and say whether it should be promoted.
+
+Where the held-out rows carry logged propensities, the decision is off-policy (off_policy.py): the
+candidate is promoted only when the 95% interval of its doubly robust goodput minus the current
+policy's lies above zero. Older telemetry without propensities falls back to replay."""
 
 from __future__ import annotations
 
@@ -8,12 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.policies.decision import Policy
 from specgate.policies.evaluation import ReplayResult, prediction_error, replay
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, TrainingRow
+from specgate.policies.off_policy import Estimate, Terms, compare, evaluate, reward_model, terms
 from specgate.policies.priors import acceptance_priors
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
+from specgate.policies.step_cost import StepCost
 
 
 class InsufficientData(ValueError):
@@ -32,6 +39,8 @@ class RetrainResult:
     current: ReplayResult
     promote: bool
     reason: str
+    # Off-policy estimates on the held-out rows with propensities (None: too few of them).
+    off_policy: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,12 +54,16 @@ class RetrainResult:
             "current": self.current.as_dict(),
             "promote": self.promote,
             "reason": self.reason,
+            "off_policy": self.off_policy,
         }
 
 
+def _greedy(state: PolicyState) -> Policy:
+    return state.build(ExplorationBudget(0.0), seed=0)
+
+
 def _evaluate(state: PolicyState, rows: Sequence[TrainingRow], arm_keys: list[str]) -> ReplayResult:
-    policy = state.build(ExplorationBudget(0.0), seed=0)
-    result = replay(policy, rows, arm_keys)
+    result = replay(_greedy(state), rows, arm_keys)
     if state.model is not None:
         result.rmse_log = prediction_error(state.model, rows)
     return result
@@ -62,7 +75,10 @@ def retrain(
     current: PolicyState,
     holdout_share: float = 0.2,
     force: bool = False,
+    steps: Sequence[tuple[int, float]] = (),
 ) -> RetrainResult:
+    """`steps`: measured (batch tokens, step ms) of engine steps in the window, for the step cost
+    curve that bounds speculation by batch size (the current curve stays if they are too few)."""
     rows = sorted(rows, key=lambda r: r.received_at)
     if len(rows) < rules.min_train_rows:
         raise InsufficientData(
@@ -80,12 +96,31 @@ def retrain(
             f"there is a choice to learn; rows per arm: {have}"
         )
     arm_keys = sorted(counts)
-    candidate = PolicyState(rules, GoodputModel.fit(train, rules.min_arm_rows), acceptance_priors(train))
+    cost = StepCost.fit(steps) or current.step_cost
+    candidate = PolicyState(
+        rules, GoodputModel.fit(train, rules.min_arm_rows), acceptance_priors(train), cost
+    )
+    current = PolicyState(rules, current.model, current.priors, current.step_cost)
     cand = _evaluate(candidate, holdout, arm_keys)
-    cur = _evaluate(PolicyState(rules, current.model, current.priors), holdout, arm_keys)
+    cur = _evaluate(current, holdout, arm_keys)
     need = max(5, int(0.05 * len(holdout)))
+    # Off-policy: the reward model is the candidate's, fitted on the training split only.
+    predict = reward_model(candidate.model, train)
+    cand_terms = terms(_greedy(candidate), holdout, arm_keys, predict)
+    cur_terms = terms(_greedy(current), holdout, arm_keys, predict)
+    off: dict[str, Any] | None = None
+    diff: Estimate | None = None
+    if len(cand_terms.dr) >= need:
+        diff = compare(cand_terms, cur_terms)
+        off = {
+            "candidate": evaluate(cand_terms),
+            "current": evaluate(cur_terms),
+            "difference": diff.as_dict(),
+        }
     if force:
         promote, reason = True, "forced by the operator"
+    elif diff is not None:
+        promote, reason = diff.low > 0, _off_policy_reason(cand_terms, cur_terms, diff)
     elif cand.matched < need:
         promote, reason = (
             False,
@@ -100,7 +135,7 @@ def retrain(
         promote, reason = True, f"replay goodput {cand.value:.2f} > current {cur.value:.2f} tok/s"
     else:
         promote, reason = False, f"replay goodput {cand.value or 0:.2f} <= current {cur.value:.2f} tok/s"
-    final = PolicyState(rules, GoodputModel.fit(rows, rules.min_arm_rows), acceptance_priors(rows))
+    final = PolicyState(rules, GoodputModel.fit(rows, rules.min_arm_rows), acceptance_priors(rows), cost)
     return RetrainResult(
         final,
         len(rows),
@@ -112,4 +147,14 @@ def retrain(
         cur,
         promote,
         reason,
+        off,
+    )
+
+
+def _off_policy_reason(cand: Terms, cur: Terms, diff: Estimate) -> str:
+    a, b = evaluate(cand)["dr"]["value"], evaluate(cur)["dr"]["value"]
+    verdict = "above zero: promote" if diff.low > 0 else "not above zero: keep the current policy"
+    return (
+        f"doubly robust goodput {a:.2f} vs current {b:.2f} tok/s on {diff.n} held-out requests; "
+        f"difference {diff.value:+.2f} (95% CI {diff.low:+.2f} to {diff.high:+.2f}), {verdict}"
     )

@@ -24,6 +24,11 @@ class RouteDecision:
     class_confidence: float | None = None
     explored: bool = False
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)  # per arm, learned policies
+    # The chance the policy had of taking the arm it took (None: no policy chose): logged for
+    # off-policy evaluation (policies/off_policy.py).
+    propensity: float | None = None
+    # Replica affinity (routing/affinity.py): group, source, home, chosen; `hit` once served.
+    affinity: dict[str, Any] | None = None
     # Who served, once known.
     backend: str | None = None
     external: bool = False  # an external backend: it decided its own speculation
@@ -33,6 +38,10 @@ class RouteDecision:
         self.backend, self.external = backend, external
         method = "upstream" if external else (self.spec.method if self.spec is not None else "off")
         self.arm = f"{backend}:{method}"
+        if self.affinity is not None:
+            # A hit: the conversation's home replica served it (no spill for load, no failover).
+            home = self.affinity.get("home")
+            self.affinity["hit"] = None if home is None else backend == home
 
     def as_dict(self) -> dict[str, Any]:
         spec: dict[str, Any] | None = None
@@ -51,6 +60,10 @@ class RouteDecision:
             out["explored"] = self.explored
         if self.predictions:
             out["predictions"] = self.predictions
+        if self.propensity is not None:
+            out["propensity"] = self.propensity
         if self.arm is not None:
             out["arm"] = self.arm
+        if self.affinity is not None:
+            out["affinity"] = dict(self.affinity)
         return out

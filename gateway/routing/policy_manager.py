@@ -11,6 +11,7 @@ a change made through any of them is live in all within a few seconds.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import time
 from typing import Any
@@ -80,8 +81,22 @@ class PolicyManager:
             "modelled_arms": sorted(self.state.model.arms) if self.state.model else [],
             "acceptance_priors": self.state.priors,
             "exploration_share": round(self.budget.share, 4),
+            "step_cost": self._step_cost(),
             "settings": self.settings.model_dump(),
         }
+
+    def _step_cost(self) -> dict[str, Any] | None:
+        """The measured step cost curve and, per class and method with a prior, the batch from
+        which speculation no longer pays (None: it pays at every batch measured)."""
+        cost, state = self.state.step_cost, self.state
+        if cost is None:
+            return None
+        crossover = {}
+        for key, p in sorted(state.priors.items()):
+            label = key.split(":", 1)[0]
+            rule = state.rules.classes.get(label, state.rules.uncertain)
+            crossover[key] = cost.crossover(p, rule.k_max if rule.k_max > 0 else 4)
+        return {**cost.as_dict(), "crossover_batch": crossover}
 
     def versions(self, limit: int = 50) -> list[Version]:
         return [_summary(row) for row in self.store.recent(limit)]
@@ -90,7 +105,7 @@ class PolicyManager:
         async with self._lock:
             if self.persistent:
                 await self._follow()  # the new rules go on the latest model, wherever it was made
-            state = PolicyState(rules, self.state.model, self.state.priors)
+            state = PolicyState(rules, self.state.model, self.state.priors, self.state.step_cost)
             return await asyncio.to_thread(self._add_active, state, "edit", note)
 
     async def rollback(self, version: int) -> Version:
@@ -121,39 +136,55 @@ class PolicyManager:
             )
         hours = window_hours or self.settings.train_window_hours
         async with self._lock:
-            await self._follow()  # compared with, and built on, the version active now
-            rows = await asyncio.to_thread(self.store.training_rows, time.time() - hours * 3600)
-            try:
-                result = await asyncio.to_thread(
-                    retrain, rows, self.state.rules, self.state, self.settings.holdout_share, force
+            lease = await asyncio.to_thread(self.store.retrain_lease)
+            if lease is None:
+                raise GatewayError(
+                    409,
+                    "another gateway on this database is retraining the policy now; try again later",
+                    code="retrain_in_progress",
                 )
-            except InsufficientData as exc:
-                raise GatewayError(409, str(exc), code="insufficient_telemetry") from exc
-            values = self._values(
-                result.state,
-                "retrain",
-                "retired" if result.promote else "rejected",
-                window_start=result.window[0],
-                window_end=result.window[1],
-                train_rows=result.n_train,
-                metrics=result.as_dict(),
-                note=result.reason,
+            try:
+                return await self._retrain(force, hours)
+            finally:
+                await asyncio.to_thread(lease.release)
+
+    async def _retrain(self, force: bool, hours: float) -> dict[str, Any]:
+        """Under the lock and the lease."""
+        await self._follow()  # compared with, and built on, the version active now
+        since = time.time() - hours * 3600
+        rows = await asyncio.to_thread(self.store.training_rows, since)
+        steps = await asyncio.to_thread(self.store.step_rows, since)
+        try:
+            result = await asyncio.to_thread(
+                retrain, rows, self.state.rules, self.state, self.settings.holdout_share, force, steps
             )
-            version = await asyncio.to_thread(self.store.add, values)
-            if result.promote:
-                await asyncio.to_thread(self._activate, version)
-            logger.info(
-                "retrain: version %s %s (%s)",
-                version,
-                "promoted" if result.promote else "kept out",
-                result.reason,
-            )
-            return {
-                "version": version,
-                "promoted": result.promote,
-                "active_version": self.version,
-                **result.as_dict(),
-            }
+        except InsufficientData as exc:
+            raise GatewayError(409, str(exc), code="insufficient_telemetry") from exc
+        values = self._values(
+            result.state,
+            "retrain",
+            "retired" if result.promote else "rejected",
+            window_start=result.window[0],
+            window_end=result.window[1],
+            train_rows=result.n_train,
+            metrics=result.as_dict(),
+            note=result.reason,
+        )
+        version = await asyncio.to_thread(self.store.add, values)
+        if result.promote:
+            await asyncio.to_thread(self._activate, version)
+        logger.info(
+            "retrain: version %s %s (%s)",
+            version,
+            "promoted" if result.promote else "kept out",
+            result.reason,
+        )
+        return {
+            "version": version,
+            "promoted": result.promote,
+            "active_version": self.version,
+            **result.as_dict(),
+        }
 
     # ---- following the database ---------------------------------------------------------------
 
@@ -210,11 +241,22 @@ class PolicyManager:
         while True:
             await asyncio.sleep(self.settings.retrain_interval)
             try:
+                if await asyncio.to_thread(self._retrained_recently):
+                    continue  # another gateway on this database did this round's retrain
                 await self.retrain()
             except GatewayError as exc:
                 logger.info("scheduled retrain skipped: %s", exc.message)
             except Exception:
                 logger.exception("scheduled retrain failed")
+
+    def _retrained_recently(self) -> bool:
+        """Whether any gateway on this store retrained within the last 90% of an interval."""
+        since = time.time() - 0.9 * self.settings.retrain_interval
+        for row in self.store.recent(20):
+            if row.get("source") == "retrain":
+                created = row.get("created_at")
+                return created is not None and dt.datetime.fromisoformat(created).timestamp() > since
+        return False
 
 
 def _summary(row: Version) -> Version:

@@ -14,6 +14,7 @@ from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.routing.affinity import Affinity
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.request_info import request_info
 from specgate.gateway.routing.static import allowed_methods, candidate_backends, requested_spec
@@ -62,6 +63,7 @@ class PolicyRouter:
         self.classifier = classifier
         self.manager = manager
         self.allowed = allowed_methods(settings)
+        self.affinity = Affinity(settings, registry)
 
     def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
         return self.plan(request, load).route
@@ -89,6 +91,8 @@ class PolicyRouter:
         decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)
         arm = decision.arm
         backends = [arm.backend, *(n for n in names if n != arm.backend)]
+        # The policy picks a backend; among its replicas, the conversation's own goes first.
+        backends, choice = self.affinity.arrange(backends, request)
         spec: SpecParams | None = None
         if arm.method != UPSTREAM:
             spec = SpecParams(
@@ -121,5 +125,7 @@ class PolicyRouter:
             class_confidence=round(cls.confidence, 4),
             explored=decision.explored,
             predictions=decision.predictions,
+            propensity=decision.propensity if policy != "request" and policy != "route" else None,
+            affinity=choice.as_dict() if choice is not None else None,
         )
         return Plan(route, decision, cls, load, arms)

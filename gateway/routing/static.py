@@ -15,6 +15,7 @@ from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.routing.affinity import Affinity
 from specgate.gateway.settings import Settings
 from specgate.policies.load import LoadSignals
 
@@ -30,9 +31,11 @@ class StaticRouter:
         self.settings = settings
         self.registry = registry
         self.allowed = allowed_methods(settings)
+        self.affinity = Affinity(settings, registry)
 
     def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
         names, reason = candidate_backends(self.settings, self.registry, request.model)
+        names, choice = self.affinity.arrange(names, request)
         configured = self.settings.routes.get(request.model)
         spec = (
             configured.spec
@@ -42,7 +45,8 @@ class StaticRouter:
         if request.spec is not None:
             spec = requested_spec(spec, request, self.allowed)
             reason += "; speculation set by the request"
-        return RouteDecision(model=request.model, backends=names, spec=spec, reason=reason)
+        affinity = choice.as_dict() if choice is not None else None
+        return RouteDecision(model=request.model, backends=names, spec=spec, reason=reason, affinity=affinity)
 
 
 def candidate_backends(settings: Settings, registry: BackendRegistry, model: str) -> tuple[list[str], str]:

@@ -89,6 +89,14 @@ class Metrics:
             ["workload_class", "arm", "policy", "explored"],
             registry=r,
         )
+        # Replica affinity: hit (the conversation's home replica served it), miss (load or a failure
+        # moved it), unkeyed (nothing identified the conversation: least loaded replica).
+        self.affinity = Counter(
+            "specgate_affinity_requests",
+            "Requests routed within a replica group, by whether the conversation's home replica served",
+            ["group", "result"],
+            registry=r,
+        )
         # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: hit rate = hits / queried.
         # Counted only where the backend reports its hits (the embedded engine always does).
         self.prefix_queried = Counter(
@@ -162,6 +170,11 @@ class Metrics:
         if rec.workload_class is not None and route is not None and route.arm:
             explored = str(route.explored).lower()
             self._child(self.routes, rec.workload_class, route.arm, route.policy, explored).inc()
+        affinity = route.affinity if route is not None else None
+        if affinity is not None and rec.backend:
+            hit = affinity.get("hit")
+            result = "unkeyed" if hit is None else "hit" if hit else "miss"
+            self._child(self.affinity, affinity["group"], result).inc()
         if rec.backend and rec.attempts:
             self._child(self.retries, rec.backend).inc(rec.attempts)
         self._observe_prefix_cache(rec, model, backend)

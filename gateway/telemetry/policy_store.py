@@ -13,12 +13,14 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine, insert, select, update
 
-from specgate.gateway.telemetry.tables import policy_versions, requests
+from specgate.gateway.telemetry.retrain_lock import Lease, try_lock, try_retrain_lease
+from specgate.gateway.telemetry.tables import policy_versions, requests, spec_steps
 from specgate.policies.goodput import TrainingRow
 
 Version = dict[str, Any]
 
 MIN_COMPLETION_TOKENS = 4  # shorter answers say more about prefill than about the arm
+MAX_STEP_ROWS = 200_000  # the newest measured steps a step cost curve is fitted on
 
 
 def _utc(value: Any) -> dt.datetime | None:
@@ -45,11 +47,21 @@ class PolicyStore(Protocol):
     def add(self, values: dict[str, Any]) -> int: ...
     def activate(self, version: int) -> None: ...
     def training_rows(self, since: float) -> list[TrainingRow]: ...
+    def step_rows(self, since: float) -> list[tuple[int, float]]:
+        """(batch tokens, step ms) of the engine steps of requests since then (spec_steps)."""
+        ...
+
+    def retrain_lease(self) -> Lease | None:
+        """The right to retrain now, for every gateway on this store (None: another holds it)."""
+        ...
 
 
 class SqlPolicyStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def retrain_lease(self) -> Lease | None:
+        return try_retrain_lease(self.engine)
 
     def active(self) -> Version | None:
         with self.engine.connect() as conn:
@@ -113,6 +125,18 @@ class SqlPolicyStore:
                 .values(status="active", promoted_at=dt.datetime.now(dt.UTC))
             )
 
+    def step_rows(self, since: float) -> list[tuple[int, float]]:
+        s, r = spec_steps.c, requests.c
+        query = (
+            select(s.batch_tokens, s.step_ms)
+            .join(requests, requests.c.request_id == s.request_id)
+            .where(r.received_at >= _utc(since), s.batch_tokens > 0, s.step_ms > 0)
+            .order_by(s.id.desc())
+            .limit(MAX_STEP_ROWS)
+        )
+        with self.engine.connect() as conn:
+            return [(int(row.batch_tokens), float(row.step_ms)) for row in conn.execute(query)]
+
     def training_rows(self, since: float) -> list[TrainingRow]:
         r = requests.c
         query = select(
@@ -124,6 +148,7 @@ class SqlPolicyStore:
             r.tpot_ms,
             r.num_draft_tokens,
             r.num_accepted_tokens,
+            r.propensity,
         ).where(
             r.outcome == "ok",
             r.received_at >= _utc(since),
@@ -148,6 +173,7 @@ class SqlPolicyStore:
                         stamp.timestamp() if stamp else 0.0,
                         row.num_draft_tokens,
                         row.num_accepted_tokens,
+                        row.propensity if row.propensity is not None and 0 < row.propensity <= 1 else None,
                     )
                 )
         return out
@@ -159,6 +185,10 @@ class MemoryPolicyStore:
     def __init__(self) -> None:
         self._rows: list[Version] = []
         self._lock = threading.Lock()
+        self._retraining = threading.Lock()
+
+    def retrain_lease(self) -> Lease | None:
+        return try_lock(self._retraining)
 
     def active(self) -> Version | None:
         return next((dict(r) for r in reversed(self._rows) if r["status"] == "active"), None)
@@ -190,4 +220,7 @@ class MemoryPolicyStore:
                     row["status"] = "retired"
 
     def training_rows(self, since: float) -> list[TrainingRow]:
+        return []
+
+    def step_rows(self, since: float) -> list[tuple[int, float]]:
         return []

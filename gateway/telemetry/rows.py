@@ -15,6 +15,7 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
     spec_route = route.get("spec") or {}
     spec = rec.spec or {}
     in_flight = rec.load.get("backend_in_flight") or {}
+    affinity = route.get("affinity") or {}
     return {
         "request_id": rec.request_id,
         "client_request_id": rec.client_request_id,
@@ -65,6 +66,10 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "num_accepted_tokens_per_pos": spec.get("num_accepted_tokens_per_pos"),
         "num_tree_drafts": spec.get("num_tree_drafts"),
         "mean_draft_nodes": spec.get("mean_draft_nodes"),
+        "propensity": route.get("propensity"),
+        "affinity_group": affinity.get("group"),
+        "affinity_source": affinity.get("source"),
+        "affinity_hit": affinity.get("hit"),
         "upstream": rec.upstream or None,
     }
 

@@ -92,6 +92,13 @@ requests = Table(
     # Draft trees: verification steps whose draft branched; drafted tokens (tree nodes) per step.
     Column("num_tree_drafts", Integer),
     Column("mean_draft_nodes", Float),
+    # The probability the routing policy had of choosing the arm it chose (off-policy evaluation).
+    Column("propensity", Float),
+    # Replica affinity (routing/affinity.py): the replica group, what keyed the conversation
+    # (user | prefix | none) and whether its home replica served it: the affinity hit rate.
+    Column("affinity_group", String(64)),
+    Column("affinity_source", String(16)),
+    Column("affinity_hit", Boolean),
     Column("upstream", JSON),  # what an external backend reported (vLLM metrics, SGLang meta_info...)
     Index(None, "received_at"),
     Index(None, "model", "received_at"),

@@ -65,6 +65,7 @@ def rows(
                 1_000_000.0 + i,
                 drafted,
                 accepted,
+                0.5,  # the logged arm is drawn uniformly from two
             )
         )
     return out
@@ -105,6 +106,7 @@ def insert(engine: Any, n: int, seed: int, max_running: int = 8) -> None:
                     workload_class=row.label,
                     num_draft_tokens=row.draft_tokens,
                     num_accepted_tokens=row.accepted_tokens,
+                    propensity=row.propensity,
                     policy="rules",
                     policy_version="1",
                 )

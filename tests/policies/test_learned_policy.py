@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -102,6 +103,7 @@ def test_retrain_promotes_a_learned_policy_over_the_rules() -> None:
     # Under the default rules open chat speculates (ngram 1-4); the data says that halves goodput.
     result = retrain(synth.rows(800, seed=7), RuleConfig(), PolicyState())
     assert result.promote, result.reason
+    assert result.off_policy is not None and result.off_policy["difference"]["low"] > 0, result.reason
     assert result.candidate.value > result.current.value
     assert result.state.kind == "learned"
     assert result.state.priors["code:ngram"] > result.state.priors["open_chat:ngram"]
@@ -118,9 +120,15 @@ def test_retrain_refuses_too_little_data() -> None:
 def test_retrain_keeps_the_current_policy_when_the_candidate_is_no_better() -> None:
     first = retrain(synth.rows(800, seed=7), RuleConfig(), PolicyState())
     again = retrain(synth.rows(800, seed=8), RuleConfig(), first.state)
-    # The same synthetic world again: the candidate chooses as the current policy does, so it ties.
-    assert not again.promote and "<= current" in again.reason
+    # The same synthetic world again: the candidate chooses as the current policy does, so it ties:
+    # the interval of the difference does not lie above zero.
+    assert not again.promote and "not above zero" in again.reason
+    assert again.off_policy is not None and again.off_policy["difference"]["low"] <= 0
     assert again.candidate.value is not None and again.candidate.value <= again.current.value
+    # Telemetry from before propensities were logged: replay decides, as it did.
+    unlogged = [dataclasses.replace(r, propensity=None) for r in synth.rows(800, seed=8)]
+    old = retrain(unlogged, RuleConfig(), first.state)
+    assert old.off_policy is None and not old.promote and "<= current" in old.reason
     forced = retrain(synth.rows(800, seed=8), RuleConfig(), first.state, force=True)
     assert forced.promote and forced.reason == "forced by the operator"
 

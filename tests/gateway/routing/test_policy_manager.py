@@ -7,10 +7,8 @@ import asyncio
 import dataclasses
 import datetime as dt
 import time
-import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
 from sqlalchemy import insert, text
 
@@ -19,7 +17,8 @@ from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.settings import PolicySettings
 from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
-from specgate.gateway.telemetry.tables import requests
+from specgate.gateway.telemetry.tables import requests, spec_steps
+from tests.gateway.pg import postgres_database
 from tests.policies import synthetic_telemetry as synth
 
 
@@ -130,24 +129,12 @@ def test_policy_edits_reach_every_gateway_on_one_sqlite_file(engine) -> None:  #
 
 
 def test_policy_edits_reach_every_gateway_on_one_postgresql() -> None:
-    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
-    try:
-        with psycopg.connect(admin, connect_timeout=3, autocommit=True) as conn:
-            name = f"specgate_test_{uuid.uuid4().hex[:12]}"
-            conn.execute(f'CREATE DATABASE "{name}"')
-    except psycopg.OperationalError:
-        pytest.skip("no PostgreSQL server on 127.0.0.1:5432")
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    try:
-        schema.upgrade(url)
+    with postgres_database() as url:
         eng = schema.make_engine(url)
         try:
             _follows(eng)
         finally:
             eng.dispose()
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_a_database_that_goes_away_does_not_stop_routing(engine) -> None:  # type: ignore[no-untyped-def]
@@ -169,3 +156,86 @@ def test_a_database_that_goes_away_does_not_stop_routing(engine) -> None:  # typ
 def test_sync_interval_must_be_positive() -> None:
     with pytest.raises(ValueError):
         PolicySettings(sync_interval=0)
+
+
+def _one_retrain_at_a_time(engine) -> None:  # type: ignore[no-untyped-def]
+    """Two gateways on one database: while one holds the retrain lease, the other's retrain is a
+    409 that says so, and retraining works again once it is released."""
+    seed(engine, 400)
+    a = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
+    b = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
+    a.load()
+    b.load()
+    lease = a.store.retrain_lease()
+    assert lease is not None
+    try:
+        assert b.store.retrain_lease() is None
+        with pytest.raises(GatewayError) as err:
+            asyncio.run(b.retrain())
+        assert err.value.status == 409 and err.value.code == "retrain_in_progress"
+        assert [v["source"] for v in b.versions()] == ["default"]  # nothing was fitted or stored
+    finally:
+        lease.release()
+    result = asyncio.run(b.retrain())
+    assert result["promoted"] and b.version == 2
+    assert asyncio.run(a.sync()) and a.version == 2
+    again = b.store.retrain_lease()  # released after the retrain, also when it succeeded
+    assert again is not None
+    again.release()
+
+
+def test_one_retrain_at_a_time_on_one_sqlite_file(engine) -> None:  # type: ignore[no-untyped-def]
+    _one_retrain_at_a_time(engine)
+
+
+def test_one_retrain_at_a_time_on_one_postgresql() -> None:
+    with postgres_database() as url:
+        eng = schema.make_engine(url)
+        try:
+            _one_retrain_at_a_time(eng)
+        finally:
+            eng.dispose()
+
+
+def test_scheduled_retrains_skip_a_round_another_gateway_did(engine) -> None:  # type: ignore[no-untyped-def]
+    seed(engine, 400)
+    a = PolicyManager(PolicySettings(retrain_interval=3600.0), SqlPolicyStore(engine), persistent=True)
+    a.load()
+    assert not a._retrained_recently()
+    asyncio.run(a.retrain())
+    b = PolicyManager(PolicySettings(retrain_interval=3600.0), SqlPolicyStore(engine), persistent=True)
+    b.load()
+    assert b._retrained_recently()  # a's retrain counts for this hour's round
+    assert not PolicyManager(PolicySettings(retrain_interval=0.001), b.store, True)._retrained_recently()
+
+
+def test_retrain_measures_the_step_cost_from_spec_steps(engine) -> None:  # type: ignore[no-untyped-def]
+    """The engine's per-step rows (batch tokens, step ms) become the policy's step cost curve, and
+    the admin view says from which batch each class's speculation stops paying."""
+    seed(engine, 400)
+    with engine.begin() as conn:
+        ids = [
+            r[0] for r in conn.execute(text("SELECT request_id FROM requests ORDER BY request_id LIMIT 40"))
+        ]
+        rows = [
+            {
+                "request_id": rid,
+                "step_index": i,
+                "k_proposed": 4,
+                "accepted": 2,
+                "batch_tokens": n,
+                "step_ms": 10 + 0.5 * n,
+            }
+            for rid in ids
+            for i, n in enumerate((1, 4, 16, 64))
+        ]
+        conn.execute(insert(spec_steps), rows)
+    store = SqlPolicyStore(engine)
+    assert sorted(set(store.step_rows(time.time() - 3600))) == [(n, 10 + 0.5 * n) for n in (1, 4, 16, 64)]
+    assert store.step_rows(time.time() + 60) == []  # only the window's requests
+    manager = PolicyManager(PolicySettings(), store, persistent=True)
+    manager.load()
+    asyncio.run(manager.retrain())
+    assert manager.state.step_cost is not None and manager.state.step_cost.n_steps == 160
+    view = manager.describe()["step_cost"]
+    assert view["crossover_batch"]["code:ngram"] is not None and view["crossover_batch"]["code:ngram"] > 1

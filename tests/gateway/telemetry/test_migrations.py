@@ -81,14 +81,14 @@ def test_one_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0006"]
+    assert heads == ["0007"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0006"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0007"
     tables, views = _tables(db_url)
     assert {"requests", "spec_steps", "policy_versions", "telemetry_quarantine", "alembic_version"} <= tables
     assert views == VIEWS
@@ -97,8 +97,18 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0006"
-    # One step down removes the draft-tree columns, nothing else; rows written at 0006 survive it.
+    assert schema.current_revision(engine) == "0007"
+    # One step down removes the affinity columns, nothing else; rows written at 0007 survive it.
+    affinity = {"affinity_group", "affinity_source", "affinity_hit", "propensity"}
+    _insert_request(db_url, affinity_group="g", affinity_source="user", affinity_hit=True, propensity=0.5)
+    schema.downgrade(db_url, "0006")
+    assert not affinity & _columns(db_url, "requests") and _tables(db_url)[1] == VIEWS
+    assert _request_ids(db_url) == ["r-0005"]
+    schema.upgrade(db_url)
+    assert affinity <= _columns(db_url, "requests")
+    assert _select(db_url, "SELECT affinity_hit FROM requests") == [None]
+    _delete_requests(db_url)
+    # The next removes the draft-tree columns, nothing else; rows written at 0006 survive it.
     _insert_request(db_url, num_tree_drafts=3, mean_draft_nodes=5.5)
     schema.downgrade(db_url, "0005")
     assert not {"num_tree_drafts", "mean_draft_nodes"} & _columns(db_url, "requests")
@@ -138,7 +148,7 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0006"
+    assert schema.current_revision(engine) == "0007"
     engine.dispose()
 
 
@@ -171,7 +181,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0006"
+    assert schema.current_revision(lite) == "0007"
     lite.dispose()
 
 
@@ -179,7 +189,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0006" in out.stdout
+    assert "current: 0007" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -188,4 +198,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0006 (head)" in out.stdout
+    assert "0007 (head)" in out.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from specgate.gateway.telemetry import schema
@@ -41,6 +42,15 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
             rec.cached_tokens = None  # a backend that does not report its prefix-cache hits
         if i % 10 == 9:
             rec.outcome, rec.status, rec.error_code = "error", 503, "overloaded"
+        if i < 12:  # routed within a replica group; every third one away from its home replica
+            assert rec.route is not None
+            rec.route.affinity = {
+                "group": "pool",
+                "source": "user",
+                "home": "a",
+                "chosen": "a",
+                "hit": i % 3 != 0,
+            }
         w.submit(rec)
     assert w.flush()
     w.close()
@@ -57,5 +67,8 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
     # Every record reports 4 of its 10 prompt tokens cached, but one row in five reports nothing.
     (cached,) = results[11]
     assert cached["backend"] == "embedded" and cached["requests"] == 32 and cached["cached_share"] == 0.4
+    (affinity,) = results[12]
+    assert affinity["affinity_group"] == "pool" and affinity["requests"] == 12
+    assert float(affinity["hit_rate"]) == pytest.approx(8 / 12)
     if db_url.startswith("postgresql"):
         assert all(r["p50_ttft_ms"] is not None for r in results[2])

@@ -1,0 +1,171 @@
+"""Session and prefix affinity across replicas: one conversation, one replica, its prefix cache warm.
+
+Backends declared with the same `replica_group` serve the same model from different servers. A
+route is still an ordered failover list; where its first backend belongs to a group, the group's
+members in the list are reordered for the request:
+
+- A request is known by its session key: the OpenAI `user` field if it sent one, else its leading
+  messages (system / developer messages and the first user message, which every later turn of the
+  conversation repeats), else a completion's leading prompt characters. Hashed at once; the key
+  itself is never stored.
+- Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018): each replica holds
+  `ring_points` points on a ring; the key's replica is the first healthy one clockwise whose
+  requests in flight, with this one, stay within `load_factor` times the group's mean (or within
+  `spill_after`, so that light load never moves a conversation). Taking a
+  replica out (down or removed) moves only the conversations it held.
+- The rest of the group follows in ring order (healthy first): failover works as before.
+- A request without a key goes to the least loaded healthy replica.
+
+`Affinity.arrange` returns the new order and an `AffinityChoice`; the route carries it, the record
+learns after dispatch whether the key's home replica (the first healthy one on the ring, load aside)
+served it: the affinity hit rate of the telemetry columns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass
+
+from specgate.gateway.backends.registry import BackendRegistry
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.settings import AffinitySettings, Settings
+
+LEADING_ROLES = frozenset({"system", "developer"})
+
+
+@dataclass(slots=True)
+class AffinityChoice:
+    group: str
+    source: str  # what keyed the request: "user", "prefix" or "none" (least loaded)
+    home: str | None  # the key's replica were load no concern (None without a key)
+    chosen: str  # the replica the request goes to first
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"group": self.group, "source": self.source, "home": self.home, "chosen": self.chosen}
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Replicas at `points` pseudo-random positions each; stable across processes and restarts."""
+
+    def __init__(self, replicas: list[str], points: int) -> None:
+        if not replicas or points < 1:
+            raise ValueError("a ring needs replicas and at least one point each")
+        ring = sorted((_point(f"{name}#{i}".encode()), name) for name in replicas for i in range(points))
+        self._keys = [p for p, _ in ring]
+        self._names = [n for _, n in ring]
+        self.size = len(set(replicas))
+
+    def walk(self, key: bytes) -> list[str]:
+        """Every replica once, in ring order from the key's position."""
+        start = bisect.bisect(self._keys, _point(key))
+        out: list[str] = []
+        seen: set[str] = set()
+        n = len(self._names)
+        for i in range(n):
+            name = self._names[(start + i) % n]
+            if name not in seen:
+                seen.add(name)
+                out.append(name)
+                if len(out) == self.size:
+                    break
+        return out
+
+
+def session_key(
+    request: ChatCompletionRequest | CompletionRequest, prompt_chars: int
+) -> tuple[str, bytes] | None:
+    """(source, hashed key) of a request's conversation, or None when nothing identifies it."""
+    if request.user:
+        return "user", hashlib.blake2b(b"user\x00" + request.user.encode("utf-8", "surrogatepass")).digest()
+    h = hashlib.blake2b(b"prefix\x00")
+    if isinstance(request, ChatCompletionRequest):
+        lead = []
+        for m in request.messages:
+            if m.role in LEADING_ROLES or m.role == "user":
+                lead.append(m)
+            if m.role == "user" or m.role not in LEADING_ROLES:
+                break
+        if not lead or lead[-1].role != "user":
+            return None  # no user turn before the conversation went on: nothing stable to key by
+        for m in lead:
+            h.update(m.role.encode() + b"\x00" + repr(m.content).encode("utf-8", "surrogatepass") + b"\x01")
+        return "prefix", h.digest()
+    prompt = request.prompt
+    # A string, a batch of strings, token ids, or a batch of token id lists: the first prompt.
+    first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
+    if isinstance(first, str) and first:
+        text = first[:prompt_chars]
+    elif isinstance(first, list) and first:  # token ids
+        text = repr(first[:prompt_chars])
+    else:
+        return None
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return "prefix", h.digest()
+
+
+def bounded_pick(order: list[str], loads: dict[str, int], load_factor: float, floor: int = 1) -> str:
+    """The first replica in `order` whose load with one more request stays within `load_factor`
+    times the mean (ceiled, so one request in flight is always allowed somewhere), or within
+    `floor`: a lightly loaded replica keeps its conversations (a server takes many at once)."""
+    cap = max(floor, math.ceil(load_factor * (sum(loads[n] for n in order) + 1) / len(order)))
+    for name in order:
+        if loads[name] + 1 <= cap:
+            return name
+    return min(order, key=lambda n: loads[n])  # unreachable by the pigeonhole principle; defensive
+
+
+class Affinity:
+    def __init__(self, settings: Settings, registry: BackendRegistry) -> None:
+        self.settings: AffinitySettings = settings.affinity
+        self.registry = registry
+        groups: dict[str, list[str]] = {}
+        for b in settings.backends:
+            if b.replica_group is not None:
+                groups.setdefault(b.replica_group, []).append(b.name)
+        self.group_of = {name: g for g, names in groups.items() for name in names}
+        self.rings = {g: HashRing(names, self.settings.ring_points) for g, names in groups.items()}
+
+    def arrange(
+        self, backends: list[str], request: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[list[str], AffinityChoice | None]:
+        """`backends` with the first one's replica group reordered for this request."""
+        group = self.group_of.get(backends[0]) if backends and self.settings.enabled else None
+        if group is None:
+            return backends, None
+        members = [n for n in backends if self.group_of.get(n) == group]
+        if len(members) < 2:
+            return backends, None
+        healthy, loads = {}, {}
+        for name in members:
+            b = self.registry.get(name)
+            healthy[name] = b is not None and b.healthy
+            loads[name] = int(getattr(b, "in_flight", 0) or 0)
+        keyed = session_key(request, self.settings.prompt_chars)
+        if keyed is None:
+            source, home = "none", None
+            ring = sorted(members, key=lambda n: (not healthy[n], loads[n]))
+        else:
+            source = keyed[0]
+            present = set(members)
+            ring = [n for n in self.rings[group].walk(keyed[1]) if n in present]
+            home = next((n for n in ring if healthy[n]), ring[0])
+        up = [n for n in ring if healthy[n]]
+        chosen = (
+            bounded_pick(up, loads, self.settings.load_factor, self.settings.spill_after)
+            if up and keyed
+            else (up or ring)[0]
+        )
+        ordered = [
+            chosen,
+            *(n for n in up if n != chosen),
+            *(n for n in ring if not healthy[n] and n != chosen),
+        ]
+        slots = iter(ordered)  # the group's members take the positions they held in the route
+        arranged = [next(slots) if self.group_of.get(n) == group else n for n in backends]
+        return arranged, AffinityChoice(group, source, home, chosen)
