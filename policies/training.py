@@ -16,7 +16,7 @@ from specgate.policies.decision import Policy
 from specgate.policies.evaluation import ReplayResult, prediction_error, replay
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, TrainingRow
-from specgate.policies.off_policy import Estimate, Terms, compare, evaluate, reward_model, terms
+from specgate.policies.off_policy import Estimate, compare, evaluate, reward_model, terms
 from specgate.policies.priors import acceptance_priors
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
@@ -110,6 +110,7 @@ def retrain(
     cur_terms = terms(_greedy(current), holdout, arm_keys, predict)
     off: dict[str, Any] | None = None
     diff: Estimate | None = None
+    dr = (0.0, 0.0)  # the candidate's and the current policy's DR goodput
     if len(cand_terms.dr) >= need:
         diff = compare(cand_terms, cur_terms)
         off = {
@@ -117,10 +118,11 @@ def retrain(
             "current": evaluate(cur_terms),
             "difference": diff.as_dict(),
         }
+        dr = (off["candidate"]["dr"]["value"], off["current"]["dr"]["value"])
     if force:
         promote, reason = True, "forced by the operator"
     elif diff is not None:
-        promote, reason = diff.low > 0, _off_policy_reason(cand_terms, cur_terms, diff)
+        promote, reason = diff.low > 0, _off_policy_reason(*dr, diff)
     elif cand.matched < need:
         promote, reason = (
             False,
@@ -151,8 +153,8 @@ def retrain(
     )
 
 
-def _off_policy_reason(cand: Terms, cur: Terms, diff: Estimate) -> str:
-    a, b = evaluate(cand)["dr"]["value"], evaluate(cur)["dr"]["value"]
+def _off_policy_reason(a: float, b: float, diff: Estimate) -> str:
+    """`a`, `b`: the candidate's and the current policy's DR goodput."""
     verdict = "above zero: promote" if diff.low > 0 else "not above zero: keep the current policy"
     return (
         f"doubly robust goodput {a:.2f} vs current {b:.2f} tok/s on {diff.n} held-out requests; "

@@ -125,7 +125,7 @@ class PolicyRouter:
             class_confidence=round(cls.confidence, 4),
             explored=decision.explored,
             predictions=decision.predictions,
-            propensity=decision.propensity if policy != "request" and policy != "route" else None,
+            propensity=decision.propensity if policy not in ("request", "route") else None,
             affinity=choice.as_dict() if choice is not None else None,
         )
         return Plan(route, decision, cls, load, arms)
