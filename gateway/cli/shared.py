@@ -35,7 +35,9 @@ def start_shared(settings: Settings, run_dir: str) -> tuple[str | None, Any, Cal
         if store.writer is not None:
             store.writer.yield_cpu()  # inserts wait for idle CPU rather than delay requests
         closers.append(store.close)
-        relay = RecordRelayServer(store, os.path.join(run_dir, "telemetry.sock")).start()
+        # So do the workers' records on their way in (each worker waits for its acknowledgement in
+        # a thread of its own, never on its event loop).
+        relay = RecordRelayServer(store, os.path.join(run_dir, "telemetry.sock"), idle=True).start()
         closers.append(relay.close)
         telemetry_socket = relay.path
 

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.protocol.route import RouteDecision
+from specgate.gateway.telemetry.idle_cpu import yield_cpu
 from specgate.gateway.telemetry.records import RequestRecord
 
 logger = logging.getLogger("specgate.telemetry")
@@ -126,8 +127,11 @@ class RecordRelayServer:
     """The supervisor's end: `RecordRelayServer(store, path).start()`, and `close()` after the
     workers are gone (it waits for every connection to be drained) and before `store.close()`."""
 
-    def __init__(self, store: RecordStore, socket_path: str, drain_timeout: float = 30.0) -> None:
+    def __init__(
+        self, store: RecordStore, socket_path: str, drain_timeout: float = 30.0, idle: bool = False
+    ) -> None:
         self.store = store
+        self.idle = idle  # receive at idle CPU priority (idle_cpu.py): no request waits on it
         self.path = socket_path
         self.drain_timeout = drain_timeout
         self.counters = RelayCounters()
@@ -172,6 +176,8 @@ class RecordRelayServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.idle:
+            yield_cpu(what="telemetry relay")
         try:
             self._read_frames(conn, conn.sendall)
         except BadFrame as exc:

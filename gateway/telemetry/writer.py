@@ -36,6 +36,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from specgate.gateway.telemetry.fit import clean_text, fit_row
+from specgate.gateway.telemetry.idle_cpu import yield_cpu
 from specgate.gateway.telemetry.inbox import Inbox, InboxFull
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql, upgrade_row
@@ -125,22 +126,12 @@ class TelemetryWriter:
         self._thread.start()
 
     def yield_cpu(self) -> None:
-        """Run the writer thread only on CPU nothing else wants (Linux SCHED_IDLE, per thread; else a
-        lower nice value). Only where no request waits on its GIL (the supervisor of `serve`): its
-        batch inserts then give way to the processes that serve requests on the same cores instead
-        of delaying them by a scheduler slice (measured: a cluster of 4-10 ms requests every flush)."""
-        tid = self._thread.native_id
-        if tid is None:
-            return
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return
-        except (AttributeError, OSError):
-            pass
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, 10)
-        except (AttributeError, OSError):
-            logger.info("could not lower the telemetry writer's priority")
+        """Run the writer thread only on CPU nothing else wants (idle_cpu.py). Only where no request
+        waits on its GIL (the supervisor of `serve`): its batch inserts then give way to the
+        processes that serve requests on the same cores instead of delaying them by a scheduler
+        slice (measured: a cluster of 4-10 ms requests every flush)."""
+        if self._thread.native_id is not None:
+            yield_cpu(self._thread.native_id, "telemetry writer")
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush everything (to the database, or the spool if it is down) and stop."""

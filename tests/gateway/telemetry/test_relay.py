@@ -194,3 +194,38 @@ def _until(cond: object, timeout: float = 10.0) -> None:
     while not cond():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_an_unpicklable_record_is_counted_at_submit_and_the_rest_land(
+    tmp: Path, store: TelemetryStore
+) -> None:
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path).start()
+    sink = RelaySink(path).start()
+    bad = record("bad")
+    bad.features = {"oops": lambda: None}  # cannot be pickled
+    sink.submit(record("first"))
+    sink.submit(bad)  # pickled on the spot: counted now, never queued
+    assert sink.counters.dropped == 1 and sink.counters.queued == 1
+    sink.submit(record("last"))
+    sink.close()
+    server.close()
+    assert sink.counters.written == 2 and sink.counters.dropped == 1
+    assert store.writer is not None and store.writer.flush(20)
+    assert rows(store) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("idle", [True, False])
+def test_an_idle_relay_receives_at_idle_priority(tmp: Path, store: TelemetryStore, idle: bool) -> None:
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path, idle=idle).start()
+    sink = RelaySink(path).start()
+    sink.submit(record("r"))
+    _until(lambda: sink.counters.written == 1)  # acknowledged: its connection's thread is up
+    (thread,) = list(server._conns)
+    assert thread.native_id is not None
+    policy = os.sched_getscheduler(thread.native_id)
+    assert policy == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
+    sink.close()
+    server.close()
