@@ -123,7 +123,8 @@ def main() -> None:
         print("specgate CPU per request, µs:", ", ".join(f"{role} {us:.0f}" for role, us in cpu.items()))
         if profiler is not None:
             print(f"flame graph of the {args.flamegraph}: {args.out}")
-        direct.close(), through.close()
+        direct.close()
+        through.close()
     finally:
         gateway.stop()
         stub.stop()
