@@ -57,8 +57,11 @@ def vector(features: dict[str, float]) -> np.ndarray:
 @dataclass(slots=True)
 class Prediction:
     log_mean: float  # posterior mean of log tokens/s
-    log_std: float  # posterior spread of log tokens/s
+    log_std: float  # posterior predictive spread of log tokens/s (one request's: noise included)
     tpot_ms: float | None
+    # Posterior spread of the mean alone: how sure the model is of the arm's expected goodput,
+    # which more rows narrow (the noise term in `log_std` never shrinks).
+    mean_std: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,22 +92,29 @@ class ArmModel:
         z: np.ndarray = np.clip((x - self.mean) / self.scale, -Z_LIMIT, Z_LIMIT)  # [n_features]
         return z
 
-    def _moments(self, z: np.ndarray) -> tuple[float, float]:
+    def _moments(self, z: np.ndarray) -> tuple[float, float, float]:
+        """(mean, predictive spread, spread of the mean) of log tokens/s."""
         mu = float(z @ self.coef + self.intercept)
-        var = float(z @ self.sigma @ z) + 1.0 / self.noise_precision
-        return mu, math.sqrt(max(var, 0.0))
+        coef_var = max(float(z @ self.sigma @ z), 0.0)
+        noise_var = 1.0 / self.noise_precision
+        # The intercept is the rows' mean (the inputs are centred), known to noise / n; sklearn's
+        # predictive spread leaves that term out, which would make the mean look exact at the
+        # centre of the data however few rows there were.
+        mean_var = coef_var + noise_var / max(self.n_rows, 1)
+        return mu, math.sqrt(coef_var + noise_var), math.sqrt(mean_var)
 
     def predict_log(self, x: np.ndarray) -> tuple[float, float]:
-        """Posterior mean and spread of log tokens/s."""
-        return self._moments(self._standardize(x))
+        """Posterior mean and predictive spread of log tokens/s."""
+        mu, std, _ = self._moments(self._standardize(x))
+        return mu, std
 
     def predict(self, x: np.ndarray) -> Prediction:
         z = self._standardize(x)
-        mu, std = self._moments(z)
+        mu, std, mean_std = self._moments(z)
         tpot = None
         if self.tpot_coef is not None:
             tpot = math.exp(float(z @ self.tpot_coef + self.tpot_intercept))
-        return Prediction(mu, std, tpot)
+        return Prediction(mu, std, tpot, mean_std)
 
     @classmethod
     def fit(cls, x: np.ndarray, tps: np.ndarray, tpot: np.ndarray) -> ArmModel:

@@ -1,16 +1,19 @@
 """The learned policy: the arm with the best predicted goodput, chosen by Thompson sampling over the
-per-arm posteriors, within the guards and the exploration cap. Falls back to the rules where no
-arm is modelled."""
+per-arm posteriors, within the guards and the exploration cap. It leaves the rules' arm only for an
+arm that leads it by `deviation_z` standard errors, and falls back to the rules where no arm is
+modelled."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
 
+from specgate.policies.arms import Arm
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.goodput import GoodputModel, vector
+from specgate.policies.goodput import GoodputModel, Prediction, vector
 from specgate.policies.guards import safe_arms
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
@@ -44,7 +47,7 @@ class LearnedPolicy:
             return decision
         x = vector(ctx.model_input())
         preds = {a: self.model.arms[a.key].predict(x) for a in modelled}
-        greedy = max(modelled, key=lambda a: preds[a].log_mean)
+        greedy = self._greedy(ctx, arms, modelled, preds, why)
         pick, explored = greedy, False
         shares = {greedy: 1.0}  # the probability of each arm this decision could have taken
         if explore:
@@ -77,13 +80,38 @@ class LearnedPolicy:
             explored = pick != greedy
             self.budget.note(explored)
         best = preds[greedy]
-        why.insert(0, f"{ctx.label}: best predicted {greedy.key} at {best.tokens_per_s:.1f} tok/s")
+        why.insert(0, f"{ctx.label}: chose {greedy.key}, predicted {best.tokens_per_s:.1f} tok/s")
         decision = self.fallback.finish(ctx, pick, "; ".join(why), explored)
         decision.predictions = {a.key: p.as_dict() for a, p in preds.items()}
         # Thompson shares are estimated from a fixed set of draws: an arm that was in fact sampled
         # is never given less than one draw's worth.
         decision.propensity = min(1.0, max(shares.get(pick, 0.0), 1.0 / THOMPSON_DRAWS))
         return decision
+
+    def _greedy(
+        self,
+        ctx: DecisionContext,
+        arms: list[Arm],
+        modelled: list[Arm],
+        preds: dict[Arm, Prediction],
+        why: list[str],
+    ) -> Arm:
+        """The arm with the best predicted goodput, unless the rules' arm is modelled too and the
+        lead is within `deviation_z` standard errors: then the rules' (safe policy improvement:
+        leave the baseline only where the data say so)."""
+        best = max(modelled, key=lambda a: preds[a].log_mean)
+        baseline = self.fallback.target(ctx, arms, [])
+        if baseline == best or baseline not in preds:
+            return best
+        lead = preds[best].log_mean - preds[baseline].log_mean
+        error = math.hypot(preds[best].mean_std, preds[baseline].mean_std)
+        if lead > self.rules.deviation_z * error:
+            return best
+        why.append(
+            f"{best.key} leads the rules' {baseline.key} by {lead:+.2f} log tok/s, within "
+            f"{self.rules.deviation_z:g} x {error:.2f}: keeping {baseline.key}"
+        )
+        return baseline
 
 
 THOMPSON_DRAWS = 512

@@ -70,6 +70,10 @@ class RuleConfig:
     exploration_cap: float = 0.1
     # Thompson sampling: multiplier on the learned model's posterior spread (0: greedy).
     thompson_scale: float = 1.0
+    # The learned policy leaves the arm the rules would take only for an arm whose expected goodput
+    # is higher by at least this many standard errors of the difference (0: whichever predicts
+    # higher). Thin training data then keeps the rules' choice instead of a noisy model's.
+    deviation_z: float = 1.0
     # Retraining: rows needed before a fit is tried, and per arm before an arm is modelled.
     min_train_rows: int = 200
     min_arm_rows: int = 20
@@ -94,6 +98,8 @@ class RuleConfig:
             raise ValueError("exploration_rate must not exceed exploration_cap")
         if self.thompson_scale < 0:
             raise ValueError("thompson_scale must be >= 0")
+        if not 0.0 <= self.deviation_z <= 10.0:
+            raise ValueError("deviation_z must be in [0, 10]")
         if self.min_train_rows < 10 or self.min_arm_rows < 5:
             raise ValueError("min_train_rows must be >= 10 and min_arm_rows >= 5")
         if OFF in self.structured_methods:

@@ -39,6 +39,7 @@ class PolicyPatch(BaseModel):
     exploration_rate: float | None = Field(None, ge=0.0, le=1.0)
     exploration_cap: float | None = Field(None, ge=0.0, le=1.0)
     thompson_scale: float | None = Field(None, ge=0.0, le=100.0)
+    deviation_z: float | None = Field(None, ge=0.0, le=10.0)
     min_train_rows: int | None = Field(None, ge=10, le=10_000_000)
     min_arm_rows: int | None = Field(None, ge=5, le=1_000_000)
     note: str | None = Field(None, max_length=500)

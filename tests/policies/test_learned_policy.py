@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import random
 
 import pytest
@@ -138,3 +139,47 @@ def test_inputs_far_outside_the_training_range_are_held_at_its_edge(model: Goodp
     near = model.predict("embedded:ngram", {**feats, "load_running": 200.0})
     far = model.predict("embedded:ngram", {**feats, "load_running": 1e9})
     assert far.tokens_per_s == pytest.approx(near.tokens_per_s) and far.tokens_per_s > 0
+
+
+def _qa_rows(per_arm: int, off_gain: float, noise: float, seed: int = 0) -> list:
+    """qa traffic at an empty batch where plain decoding is `off_gain` x n-gram's goodput."""
+    rng = random.Random(seed)
+    rows = synth.rows(2 * per_arm, seed=seed, classes=("qa",), max_running=0)
+    for i, r in enumerate(rows):
+        r.arm = "embedded:off" if i % 2 else "embedded:ngram"
+        truth = synth.BASE_TPS * (off_gain if r.arm == "embedded:off" else 1.0)
+        r.tokens_per_s = truth * math.exp(rng.gauss(0.0, noise))
+    return rows
+
+
+def test_thin_data_keeps_the_rules_arm_and_strong_data_leaves_it() -> None:
+    # The rules take n-gram for qa; plain decoding is truly 15% faster here.
+    thin = GoodputModel.fit(_qa_rows(6, off_gain=1.15, noise=0.4, seed=2), min_arm_rows=5)
+    c = ctx("qa")
+    preds = {a: thin.predict(a, c.model_input()) for a in ("embedded:off", "embedded:ngram")}
+    assert preds["embedded:off"].log_mean > preds["embedded:ngram"].log_mean  # the model leans to off
+    lead = preds["embedded:off"].log_mean - preds["embedded:ngram"].log_mean
+    error = math.hypot(preds["embedded:off"].mean_std, preds["embedded:ngram"].mean_std)
+    assert lead < error  # ... but not by a standard error on 6 noisy rows per arm
+    decision = LearnedPolicy(RuleConfig(), thin, seed=0).decide(c, explore=False)
+    assert decision.arm.method == "ngram" and "keeping embedded:ngram" in decision.reason
+    greedy = LearnedPolicy(RuleConfig(deviation_z=0.0), thin, seed=0).decide(c, explore=False)
+    assert greedy.arm.method == "off"  # without the margin: whichever predicts higher
+    strong = GoodputModel.fit(_qa_rows(400, off_gain=1.15, noise=0.4, seed=2), min_arm_rows=5)
+    assert LearnedPolicy(RuleConfig(), strong, seed=0).decide(c, explore=False).arm.method == "off"
+
+
+def test_the_spread_of_the_mean_narrows_with_rows_and_the_predictive_one_does_not() -> None:
+    c = ctx("qa")
+    spreads = []
+    for per_arm in (8, 80, 800):
+        p = GoodputModel.fit(_qa_rows(per_arm, 1.0, 0.3, seed=4), 5).predict("embedded:off", c.model_input())
+        spreads.append((p.mean_std, p.log_std))
+    assert spreads[0][0] > 2 * spreads[1][0] > 4 * spreads[2][0] > 0
+    assert all(0.2 < log_std < 0.45 for _, log_std in spreads)  # the noise (0.3) stays
+
+
+def test_deviation_z_is_validated() -> None:
+    for bad in (-0.1, 10.5, float("nan")):
+        with pytest.raises(ValueError):
+            RuleConfig(deviation_z=bad)
