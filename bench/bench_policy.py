@@ -54,7 +54,9 @@ from specgate.bench.serve.metrics import RequestResult
 from specgate.bench.serve.runner import POLICY, closed_loop, open_loop, send
 
 ADMIN_KEY = "bench-policy-admin"
-POLICY_ARMS = ("rules", "learned")  # routed by the gateway's policy, not forced
+# Routed by the gateway's policy, not forced. `learned_greedy` is the same retrained policy with
+# `deviation_z` 0: it leaves the rules' arm wherever the model predicts better, sure or not.
+POLICY_ARMS = ("rules", "learned", "learned_greedy")
 FOLLOW_UP = "Thanks. Now go one step further and be more specific."
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 Item = tuple[datasets.BenchRequest, float]  # a request and its temperature
@@ -230,7 +232,9 @@ def analyse(
         "learned_minus_oracle": paired(learned, oracle, masks["all"], relative=True),
         "heavy_learned_minus_plain": paired(learned, g["plain"], masks["heavy"], relative=True),
         "rules_minus_best_static": paired(g["rules"], g[best_static], masks["all"], relative=True),
+        "learned_minus_learned_greedy": paired(learned, g["learned_greedy"], masks["all"], relative=True),
         "learned_routes": _routes(res["learned"], points),
+        "learned_greedy_routes": _routes(res["learned_greedy"], points),
     }
 
 
@@ -260,6 +264,7 @@ def markdown(rep: dict[str, Any], arms: list[str]) -> str:
         "learned_minus_oracle",
         "heavy_learned_minus_plain",
         "rules_minus_best_static",
+        "learned_minus_learned_greedy",
     ):
         d = rep[key]
         lines.append(
@@ -331,6 +336,8 @@ def run(args: argparse.Namespace, out: Path) -> int:
             try:
                 if arm == "rules":
                     gw.admin("POST", "/admin/policy/rollback/1")
+                elif arm == "learned_greedy":
+                    gw.admin("PUT", "/admin/policy", {"deviation_z": 0.0, "note": "bench: no margin"})
                 light = asyncio.run(
                     load_point(gw.url, items["light"], [arm] * len(items["light"]), "light", args)
                 )

@@ -183,3 +183,10 @@ def test_deviation_z_is_validated() -> None:
     for bad in (-0.1, 10.5, float("nan")):
         with pytest.raises(ValueError):
             RuleConfig(deviation_z=bad)
+
+
+def test_deviation_z_is_an_editable_rule_and_older_versions_get_the_default() -> None:
+    assert RuleConfig().merged({"deviation_z": 0.5}).deviation_z == 0.5
+    stored = RuleConfig().as_dict()
+    del stored["deviation_z"]  # a version saved before the rule existed
+    assert RuleConfig.from_dict(stored).deviation_z == 1.0

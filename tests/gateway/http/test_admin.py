@@ -107,6 +107,8 @@ def test_fresh_install_runs_the_rules_as_version_one(live: LiveGateway) -> None:
         ({"classes": {"code": {"k_max": 100}}}, "classes.code.k_max"),
         ({"bogus": 1}, "bogus"),
         ({"max_batch_for_spec": "many"}, "max_batch_for_spec"),
+        ({"deviation_z": 11}, "deviation_z"),
+        ({"deviation_z": -1}, "deviation_z"),
     ],
 )
 def test_put_validation_names_the_field(live: LiveGateway, body: dict, field: str) -> None:
