@@ -37,7 +37,7 @@ from specgate.gateway.backends.upstream_client import (
 )
 from specgate.gateway.backends.upstream_stats import capture
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.protocol.nesting import MAX_DEPTH, nests_deeper
+from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 from specgate.gateway.settings import BackendSettings
 
 logger = logging.getLogger("specgate.backend")
@@ -353,7 +353,7 @@ def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dic
         raise _Malformed(f"sent a body that is not JSON{kind}") from None
     if not isinstance(body, dict):
         raise _Malformed("sent JSON that is not an object")
-    if nests_deeper(body, MAX_DEPTH):
+    if text_nests_deeper(raw, body, MAX_DEPTH):
         raise _Malformed(f"sent JSON nested deeper than {MAX_DEPTH} levels")
     choices = body.get("choices")
     if choices is not None and (

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from specgate.gateway.http.errors import invalid, validation_error
-from specgate.gateway.protocol.nesting import MAX_DEPTH, nests_deeper
+from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -46,7 +46,7 @@ def loads(raw: bytes) -> dict[str, Any]:
         raise invalid("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
-    if nests_deeper(data, MAX_DEPTH):
+    if text_nests_deeper(raw, data, MAX_DEPTH):
         raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     if _ESCAPED_SURROGATE.search(text) is not None:  # only then can a string hold a lone surrogate
         _check_text(data)
