@@ -29,6 +29,7 @@ REQUEST_FEATURES = (
 LOAD_FEATURES = ("load_running", "load_queue", "load_log_batch_tokens", "load_kv_usage", "load_log_step_ms")
 MODEL_FEATURES = REQUEST_FEATURES + LOAD_FEATURES
 Z_LIMIT = 4.0  # standardized inputs are clipped to this many training standard deviations
+CONSTANT_SCALE = 1e12  # the scale of a feature constant in training (see ArmModel.fit)
 
 
 @dataclass(slots=True)
@@ -122,7 +123,11 @@ class ArmModel:
 
         mean = x.mean(axis=0)
         scale = x.std(axis=0)
-        scale[scale < 1e-9] = 1.0
+        # A feature that never varied in training says nothing about goodput: a scale this large
+        # standardizes any value of it to ~0, so it moves neither the prediction nor its spread
+        # (with a scale of 1 its unidentified coefficient's prior variance made every live value
+        # off the training constant look uncertain).
+        scale[scale < 1e-9] = CONSTANT_SCALE
         z = (x - mean) / scale  # [n_rows, n_features]
         br = BayesianRidge().fit(z, np.log(tps))
         has_tpot = ~np.isnan(tpot)

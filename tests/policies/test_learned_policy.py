@@ -190,3 +190,16 @@ def test_deviation_z_is_an_editable_rule_and_older_versions_get_the_default() ->
     stored = RuleConfig().as_dict()
     del stored["deviation_z"]  # a version saved before the rule existed
     assert RuleConfig.from_dict(stored).deviation_z == 1.0
+
+
+def test_a_feature_constant_in_training_moves_neither_prediction_nor_spread(model: GoodputModel) -> None:
+    # The synthetic rows hold the live step time and batch tokens at 0 (machine-dependent); a live
+    # gateway reports real values. Those must not make the model unsure (it once kept the rules'
+    # arm on one machine and not another, by the step time the test gateway happened to report).
+    base = ctx("code").model_input()
+    for value in (1.0, 3.0, 50.0):
+        live = dict(base, load_log_step_ms=value, load_log_batch_tokens=value)
+        for arm in ("embedded:off", "embedded:ngram"):
+            at_training, at_live = model.predict(arm, base), model.predict(arm, live)
+            assert at_live.log_mean == pytest.approx(at_training.log_mean, abs=1e-6)
+            assert at_live.mean_std == pytest.approx(at_training.mean_std, abs=1e-6)
