@@ -17,9 +17,8 @@ def large_batch(ctx: DecisionContext, rules: RuleConfig) -> bool:
 
 
 def k_bound(ctx: DecisionContext, rules: RuleConfig) -> int:
-    """The longest draft the rules allow this request (a rule of K 0 leaves the engine's 1-4)."""
-    rule = rules.rule_for(ctx.label, ctx.confidence)
-    return rule.k_max if rule.k_max > 0 else 4
+    """The longest draft the rules allow this request."""
+    return rules.rule_for(ctx.label, ctx.confidence).k_range[1]
 
 
 def best_k(

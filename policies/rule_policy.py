@@ -72,7 +72,7 @@ class RulePolicy:
 
     def finish(self, ctx: DecisionContext, arm: Arm, reason: str, explored: bool) -> Decision:
         rule = self.rules.rule_for(ctx.label, ctx.confidence)
-        k_min, k_max = (rule.k_min, rule.k_max) if rule.k_max > 0 else (1, 4)
+        k_min, k_max = rule.k_range
         if not arm.speculative:
             k_min = k_max = 0
         elif self.cost is not None:

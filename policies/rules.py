@@ -33,6 +33,11 @@ class ClassRule:
         if self.controller not in CONTROLLERS:
             raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}")
 
+    @property
+    def k_range(self) -> tuple[int, int]:
+        """(k_min, k_max) a speculative arm gets: a rule of K 0 leaves the engine's own 1-4."""
+        return (self.k_min, self.k_max) if self.k_max > 0 else (1, 4)
+
 
 def default_class_rules() -> dict[str, ClassRule]:
     return {

@@ -95,7 +95,7 @@ class PolicyManager:
         for key, p in sorted(state.priors.items()):
             label = key.split(":", 1)[0]
             rule = state.rules.classes.get(label, state.rules.uncertain)
-            crossover[key] = cost.crossover(p, rule.k_max if rule.k_max > 0 else 4)
+            crossover[key] = cost.crossover(p, rule.k_range[1])
         return {**cost.as_dict(), "crossover_batch": crossover}
 
     def versions(self, limit: int = 50) -> list[Version]:
