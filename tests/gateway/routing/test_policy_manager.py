@@ -4,6 +4,7 @@ several managers on one database (SQLite, PostgreSQL) following each other's cha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import time
@@ -22,13 +23,44 @@ from tests.gateway.pg import postgres_database
 from tests.policies import synthetic_telemetry as synth
 
 
+@contextlib.contextmanager
+def database(kind: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """An engine on a migrated database: a SQLite file, or a fresh one on the machine's PostgreSQL."""
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 't.db'}"
+        schema.upgrade(url)
+        eng = schema.make_engine(url)
+        try:
+            yield eng
+        finally:
+            eng.dispose()
+        return
+    with postgres_database() as url:
+        eng = schema.make_engine(url)
+        try:
+            yield eng
+        finally:
+            eng.dispose()
+
+
 @pytest.fixture
 def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
-    url = f"sqlite:///{tmp_path / 't.db'}"
-    schema.upgrade(url)
-    eng = schema.make_engine(url)
-    yield eng
-    eng.dispose()
+    with database("sqlite", tmp_path) as eng:
+        yield eng
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A database several gateways share."""
+    with database(request.param, tmp_path) as eng:
+        yield eng
+
+
+def gateway(engine, **settings: float) -> PolicyManager:  # type: ignore[no-untyped-def]
+    """A loaded manager on `engine`'s database, as each gateway (or worker) holds one."""
+    manager = PolicyManager(PolicySettings(**settings), SqlPolicyStore(engine), persistent=True)
+    manager.load()
+    return manager
 
 
 def seed(engine, n: int) -> None:  # type: ignore[no-untyped-def]
@@ -49,22 +81,19 @@ def seed(engine, n: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_fresh_install_then_warm_start(engine) -> None:  # type: ignore[no-untyped-def]
-    first = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
-    first.load()
+    first = gateway(engine)
     assert first.version == 1 and first.state.kind == "rules"
     seed(engine, 400)
     assert len(SqlPolicyStore(engine).training_rows(time.time() - 3600)) == 400
     result = asyncio.run(first.retrain())
     assert result["promoted"] and first.version == 2 and first.state.kind == "learned"
-    again = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
-    again.load()
+    again = gateway(engine)
     assert again.version == 2 and again.state.kind == "learned"
     assert sorted(again.state.model.arms) == ["embedded:ngram", "embedded:off"]  # type: ignore[union-attr]
 
 
 def test_retrain_refusals(engine) -> None:  # type: ignore[no-untyped-def]
-    manager = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
-    manager.load()
+    manager = gateway(engine)
     with pytest.raises(GatewayError) as err:
         asyncio.run(manager.retrain())
     assert err.value.status == 409 and err.value.code == "insufficient_telemetry"
@@ -78,8 +107,7 @@ def test_retrain_refusals(engine) -> None:  # type: ignore[no-untyped-def]
 
 def test_scheduled_retrain_promotes_without_an_operator(engine) -> None:  # type: ignore[no-untyped-def]
     seed(engine, 400)
-    manager = PolicyManager(PolicySettings(retrain_interval=0.05), SqlPolicyStore(engine), persistent=True)
-    manager.load()
+    manager = gateway(engine, retrain_interval=0.05)
 
     async def run() -> None:
         manager.start()
@@ -98,12 +126,9 @@ def _edit(manager: PolicyManager, min_confidence: float) -> None:
     asyncio.run(manager.update_rules(rules, note="edited elsewhere"))
 
 
-def _follows(engine) -> None:  # type: ignore[no-untyped-def]
+def test_policy_edits_reach_every_gateway_on_one_database(shared) -> None:  # type: ignore[no-untyped-def]
     """Two gateways (or two workers) on one database: a change made through either is live in both."""
-    a = PolicyManager(PolicySettings(sync_interval=0.05), SqlPolicyStore(engine), persistent=True)
-    b = PolicyManager(PolicySettings(sync_interval=0.05), SqlPolicyStore(engine), persistent=True)
-    a.load()
-    b.load()
+    a, b = gateway(shared, sync_interval=0.05), gateway(shared, sync_interval=0.05)
     assert a.version == b.version == 1
     assert not asyncio.run(b.sync())  # nothing changed: nothing reinstalled
     _edit(a, 0.7)
@@ -124,22 +149,8 @@ def _follows(engine) -> None:  # type: ignore[no-untyped-def]
     assert a.version == b.version == 4 and a.state.rules.min_confidence == 0.7
 
 
-def test_policy_edits_reach_every_gateway_on_one_sqlite_file(engine) -> None:  # type: ignore[no-untyped-def]
-    _follows(engine)
-
-
-def test_policy_edits_reach_every_gateway_on_one_postgresql() -> None:
-    with postgres_database() as url:
-        eng = schema.make_engine(url)
-        try:
-            _follows(eng)
-        finally:
-            eng.dispose()
-
-
 def test_a_database_that_goes_away_does_not_stop_routing(engine) -> None:  # type: ignore[no-untyped-def]
-    manager = PolicyManager(PolicySettings(sync_interval=0.02), SqlPolicyStore(engine), persistent=True)
-    manager.load()
+    manager = gateway(engine, sync_interval=0.02)
     with engine.begin() as conn:
         conn.execute(text("DROP TABLE policy_versions"))
 
@@ -158,14 +169,11 @@ def test_sync_interval_must_be_positive() -> None:
         PolicySettings(sync_interval=0)
 
 
-def _one_retrain_at_a_time(engine) -> None:  # type: ignore[no-untyped-def]
+def test_one_retrain_at_a_time_on_one_database(shared) -> None:  # type: ignore[no-untyped-def]
     """Two gateways on one database: while one holds the retrain lease, the other's retrain is a
     409 that says so, and retraining works again once it is released."""
-    seed(engine, 400)
-    a = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
-    b = PolicyManager(PolicySettings(), SqlPolicyStore(engine), persistent=True)
-    a.load()
-    b.load()
+    seed(shared, 400)
+    a, b = gateway(shared), gateway(shared)
     lease = a.store.retrain_lease()
     assert lease is not None
     try:
@@ -184,27 +192,12 @@ def _one_retrain_at_a_time(engine) -> None:  # type: ignore[no-untyped-def]
     again.release()
 
 
-def test_one_retrain_at_a_time_on_one_sqlite_file(engine) -> None:  # type: ignore[no-untyped-def]
-    _one_retrain_at_a_time(engine)
-
-
-def test_one_retrain_at_a_time_on_one_postgresql() -> None:
-    with postgres_database() as url:
-        eng = schema.make_engine(url)
-        try:
-            _one_retrain_at_a_time(eng)
-        finally:
-            eng.dispose()
-
-
 def test_scheduled_retrains_skip_a_round_another_gateway_did(engine) -> None:  # type: ignore[no-untyped-def]
     seed(engine, 400)
-    a = PolicyManager(PolicySettings(retrain_interval=3600.0), SqlPolicyStore(engine), persistent=True)
-    a.load()
+    a = gateway(engine, retrain_interval=3600.0)
     assert not a._retrained_recently()
     asyncio.run(a.retrain())
-    b = PolicyManager(PolicySettings(retrain_interval=3600.0), SqlPolicyStore(engine), persistent=True)
-    b.load()
+    b = gateway(engine, retrain_interval=3600.0)
     assert b._retrained_recently()  # a's retrain counts for this hour's round
     assert not PolicyManager(PolicySettings(retrain_interval=0.001), b.store, True)._retrained_recently()
 
