@@ -48,6 +48,19 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if not bias:
+            continue
+        # Ids past this vocabulary are refused at the edge; a bias for one is a no-op here.
+        items = [(t, v) for t, v in bias.items() if t < vocab]
+        if items:
+            ids = torch.tensor([t for t, _ in items], device=logits.device)  # [num_biased]
+            logits[i, ids] += torch.tensor([v for _, v in items], device=logits.device)
+
+
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
     ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
@@ -65,12 +78,13 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Penalties, temperature, top-k, top-p and min-p; returns float32 logits with -inf masks.
+    """Penalties, logit bias, temperature, top-k, top-p and min-p; float32 logits with -inf masks.
 
     logits: [n, vocab] raw model output for the n rows.
     """
     logits = logits.float().clone()  # [n, vocab]
     _apply_penalties(logits, rows)
+    _apply_logit_bias(logits, rows)
     for i, row in enumerate(rows):
         if row.suppress_token_ids:
             logits[i, list(row.suppress_token_ids)] = float("-inf")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -11,6 +11,7 @@ MAX_LOGPROBS = 20
 # distribution it stands for is the argmax's point mass anyway (vLLM uses the same threshold).
 SAMPLING_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass(slots=True)
@@ -31,12 +32,21 @@ class SamplingParams:
     min_tokens: int = 0
     # None: no logprobs; N >= 0: the sampled token's logprob plus the N most likely tokens.
     logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> value added to its logit (after penalties, before temperature).
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
+            for token, value in (self.logit_bias or {}).items():
+                if token < 0:
+                    raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+                if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         for name in (
             "temperature",
             "top_p",

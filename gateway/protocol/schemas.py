@@ -41,6 +41,8 @@ MAX_PROMPTS = 128
 MAX_LOGPROBS = 20
 MAX_SPEC_K = 64
 MAX_CACHE_SALT = 256
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+_TOKEN_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -135,7 +137,19 @@ class _Sampling(_Edge):
     # vLLM's prefix-cache extension: requests reuse each other's cached prompt blocks only under
     # the same salt, and only within the caller's scope (the gateway combines the two).
     cache_salt: CacheSalt | None = None
+    # Token id (as a decimal string, JSON keys being strings) -> bias in [-100, 100].
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES
+    )
     spec: SpecRequest | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not _TOKEN_KEY.match(key) or int(key) > INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key[:32]!r}")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -89,6 +89,7 @@ def _bodies(drawn: st.SearchStrategy[dict[str, Any]], model: str) -> st.SearchSt
             "top_k",
             "min_p",
             "stream",
+            "logit_bias",
         ]
     )
     mutation = st.none() | st.tuples(keys, st.sampled_from(HOSTILE_VALUES))

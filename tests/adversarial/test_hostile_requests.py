@@ -49,6 +49,16 @@ REFUSED: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids", [2**31], "stop_token_ids.0"),
     ("stop_token_ids", [95] * 1000, "stop_token_ids"),
     ("stop_token_ids", [10_000], "stop_token_ids"),  # beyond this model's vocabulary
+    ("logit_bias", {"abc": 1}, "logit_bias"),
+    ("logit_bias", {"-1": 1}, "logit_bias"),
+    ("logit_bias", {"007": 1}, "logit_bias"),
+    ("logit_bias", {"99999999999": 1}, "logit_bias"),
+    ("logit_bias", {"5": 100.5}, "logit_bias.5"),
+    ("logit_bias", {"5": float("nan")}, None),
+    ("logit_bias", {"5": "much"}, "logit_bias.5"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "logit_bias"),
+    ("logit_bias", [1, 2], "logit_bias"),
+    ("logit_bias", {"10000": -100}, "logit_bias"),  # beyond this model's vocabulary
     ("spec", {"k_max": 10**6}, "spec.k_max"),
     ("spec", {"k_min": 5, "k_max": 2}, "spec"),
     ("spec", {"method": "draft_model"}, "spec.method"),  # a method the operator does not allow

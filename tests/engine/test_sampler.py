@@ -233,6 +233,48 @@ def test_penalties_apply_to_greedy_rows() -> None:
     assert sample(process_logits(logits.repeat(2, 1), rows), rows) == [1, 2]
 
 
+def test_logit_bias_adds_to_the_listed_tokens_only() -> None:
+    r = row([1], logit_bias={0: -1.5, 3: 0.25, 7: 100.0})
+    processed = process_logits(base_logits(), [r])[0]
+    expected = torch.tensor([-0.5, 2.0, -1.0, 4.25, -3.0, 0.5, 0.0, 100.0])
+    torch.testing.assert_close(processed, expected)
+
+
+def test_logit_bias_applies_after_penalties_and_before_temperature() -> None:
+    r = row([3, 3], num_prompt_tokens=1, presence_penalty=1.0, temperature=0.5, logit_bias={3: 1.0})
+    processed = process_logits(base_logits(), [r])[0]
+    assert processed[3].item() == pytest.approx((4.0 - 1.0 + 1.0) / 0.5)
+    assert processed[1].item() == pytest.approx(2.0 / 0.5)
+
+
+def test_logit_bias_bans_and_forces_greedy_choices_per_row() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]]).repeat(3, 1)
+    rows = [
+        row([0], temperature=0.0),
+        row([0], temperature=0.0, logit_bias={1: -100.0}),
+        row([0], temperature=0.0, logit_bias={0: 100.0}),
+    ]
+    assert sample(process_logits(logits, rows), rows) == [1, 2, 0]
+
+
+def test_logit_bias_keeps_suppressed_tokens_suppressed_and_ignores_ids_past_the_vocab() -> None:
+    r = row([1], suppress=[3], logit_bias={3: 100.0, 10_000: 5.0})
+    processed = process_logits(base_logits(), [r])[0]
+    assert processed[3].item() == NEG_INF
+    torch.testing.assert_close(processed[:3], base_logits()[0, :3])
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {2: 100.5}, {2: float("nan")}, {2: float("-inf")}])
+def test_sampling_params_refuse_a_bad_logit_bias(bias: dict[int, float]) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_sampling_params_normalize_an_empty_logit_bias_to_none() -> None:
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={"4": 2}).logit_bias == {4: 2.0}  # type: ignore[dict-item]
+
+
 def test_penalties_ignore_prompt_for_frequency_even_when_output_is_empty() -> None:
     r = row([1, 1, 1], frequency_penalty=2.0, presence_penalty=2.0)
     assert torch.equal(process_logits(base_logits(), [r]), base_logits())

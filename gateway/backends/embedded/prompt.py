@@ -66,6 +66,14 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             code="invalid_value",
             param="stop_token_ids",
         )
+    bias = {int(t): v for t, v in (req.logit_bias or {}).items()}
+    if any(t >= vocab for t in bias):
+        raise GatewayError(
+            400,
+            f"logit_bias keys must be token ids in [0, {vocab}) for this model",
+            code="invalid_value",
+            param="logit_bias",
+        )
     room = model.max_model_len - len(prompt_ids)
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
@@ -94,6 +102,7 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
+            logit_bias=bias or None,
         )
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value") from exc

@@ -36,14 +36,15 @@ def proposer_options(method: str, tiny_draft_dir: Path, tiny_eagle_dir: Path) ->
     }.get(method, {})
 
 
-def plain_and_speculative(engine: Engine, spec: SpecParams) -> tuple[dict, int]:
+def plain_and_speculative(engine: Engine, spec: SpecParams, **sampling: object) -> tuple[dict, int]:
     """Each repetitive prompt decoded greedily twice in one batch, plainly and with `spec`; asserts the
     two outputs are token-identical and returns (outputs by request id, number of prompts)."""
     engine.cost_model = FixedCosts()  # on a tiny model drafting costs as much as verifying: pretend not
     ps = repetitive_prompts()
+    params = {"max_tokens": 40, **GREEDY, **sampling}
     for i, p in enumerate(ps):
-        engine.add_request(f"plain{i}", p, SamplingParams(max_tokens=40, **GREEDY))
-        engine.add_request(f"spec{i}", p, SamplingParams(max_tokens=40, **GREEDY), spec)
+        engine.add_request(f"plain{i}", p, SamplingParams(**params))  # type: ignore[arg-type]
+        engine.add_request(f"spec{i}", p, SamplingParams(**params), spec)  # type: ignore[arg-type]
     outs = run_to_completion(engine)
     for i in range(len(ps)):
         assert tokens(outs[f"spec{i}"]) == tokens(outs[f"plain{i}"]), f"spec{i} diverged"
@@ -112,6 +113,30 @@ def test_greedy_speculation_is_token_identical_on_quantized_weights(
         num_blocks=1024, max_num_batched_tokens=48, proposer_options=options, quantization=quantization
     )
     outs, n = plain_and_speculative(engine, SpecParams(method=method, controller="static"))
+    assert sum(outs[f"spec{i}"][-1].stats.spec.num_draft_tokens for i in range(n)) > 0
+
+
+@pytest.mark.parametrize(("method", "tree_nodes"), [("ngram", 0), ("suffix", 6), ("eagle", 0), ("eagle", 6)])
+def test_greedy_speculation_with_logit_bias_is_token_identical(
+    method: str,
+    tree_nodes: int,
+    make_engine: Callable[..., Engine],
+    tiny_draft_dir: Path,
+    tiny_eagle_dir: Path,
+) -> None:
+    # The bias is part of the target distribution: drafts are verified against biased logits, so
+    # speculation must reproduce plain decoding under the same bias, which itself must differ
+    # from unbiased decoding (else the bias was ignored).
+    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
+    engine = make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options)
+    unbiased, n = plain_and_speculative(engine, SpecParams(method=method, controller="static"))
+    favourite = max(range(96), key=lambda t: sum(tokens(unbiased[f"plain{i}"]).count(t) for i in range(n)))
+    bias = {favourite: -100.0, 7: 4.0, 11: 2.5}
+    spec = SpecParams(method=method, controller="static", num_speculative_tokens=3, max_tree_nodes=tree_nodes)
+    outs, _ = plain_and_speculative(engine, spec, logit_bias=bias)
+    for i in range(n):
+        assert favourite not in tokens(outs[f"plain{i}"])
+        assert tokens(outs[f"plain{i}"]) != tokens(unbiased[f"plain{i}"])
     assert sum(outs[f"spec{i}"][-1].stats.spec.num_draft_tokens for i in range(n)) > 0
 
 

@@ -173,6 +173,30 @@ def test_penalties_and_vllm_extensions_are_accepted(client: openai.OpenAI, model
     assert r.usage is not None and r.usage.completion_tokens == 8
 
 
+def test_logit_bias_bans_and_forces_tokens(
+    client: openai.OpenAI, model_name: str, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine()
+    engine.add_request(
+        "ref", render_chat(engine.tokenizer, MESSAGES), SamplingParams(max_tokens=6, temperature=0.0)
+    )
+    step = iter(engine.step, None)
+    first = next(t for outs in step for o in outs for t in o.new_token_ids)  # the greedy first token
+
+    def greedy(**kw: object) -> list[str]:
+        r = client.chat.completions.create(  # type: ignore[call-overload]
+            model=model_name, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, **kw
+        )
+        return [e.token for e in r.choices[0].logprobs.content]
+
+    plain = greedy()
+    assert plain[0] == engine.tokenizer.decode([first])
+    banned = greedy(logit_bias={str(first): -100})
+    assert banned[0] != plain[0]
+    forced = greedy(logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced == [engine.tokenizer.decode([42])] * 6
+
+
 def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, model_name: str) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
