@@ -36,6 +36,7 @@ from specgate.gateway.backends.upstream_client import (
     UpstreamResponse,
 )
 from specgate.gateway.backends.upstream_stats import capture
+from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 from specgate.gateway.settings import BackendSettings
@@ -155,8 +156,9 @@ class OpenAIBackend:
         """One response with a 2xx status, after retries; raises GatewayError otherwise."""
         s = self.settings
         url = f"{s.base_url}{_PATHS[call.kind]}"
-        # Encoded once for every retry; compact, and ASCII-escaped so that any text encodes.
-        payload = json.dumps(self._payload(call), separators=(",", ":")).encode()
+        # Encoded once for every retry; compact, and ASCII-escaped where UTF-8 cannot carry the text.
+        body = self._payload(call)
+        payload = json_codec.dumps(body) or json.dumps(body, separators=(",", ":")).encode()
         last: GatewayError | None = None
         for attempt in range(s.max_retries + 1):
             if not self.breaker.allow(owner=call):
@@ -346,8 +348,10 @@ def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dic
     """An upstream body as a JSON object of the OpenAI shape, or _Malformed. Usage counts that
     cannot be true fail a whole body (`whole`: nothing reached the client, another backend may
     answer); in a stream's last chunk, after the text went out, they are only dropped."""
+    body = json_codec.loads(raw)
     try:
-        body = json.loads(raw, parse_constant=lambda _: None)  # NaN / Infinity: no number at all
+        if body is json_codec.UNDECIDED:
+            body = json.loads(raw, parse_constant=lambda _: None)  # NaN / Infinity: no number at all
     except (ValueError, UnicodeDecodeError, RecursionError):
         kind = f" ({content_type[:64]})" if content_type and "json" not in content_type else ""
         raise _Malformed(f"sent a body that is not JSON{kind}") from None

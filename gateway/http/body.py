@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from specgate.gateway.http.errors import invalid, validation_error
+from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 
 M = TypeVar("M", bound=BaseModel)
@@ -36,6 +37,20 @@ def _finite(text: str) -> float:
 
 def loads(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a GatewayError (400) saying what is wrong with it."""
+    data = json_codec.loads(raw)  # where it decides: valid UTF-8, no NaN, no lone surrogate
+    text = None
+    if data is json_codec.UNDECIDED:
+        text, data = _stdlib_loads(raw)
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", code="invalid_json")
+    if text_nests_deeper(raw, data, MAX_DEPTH):
+        raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    if text is not None and _ESCAPED_SURROGATE.search(text) is not None:
+        _check_text(data)  # only with such an escape can a string hold a lone surrogate
+    return data
+
+
+def _stdlib_loads(raw: bytes) -> tuple[str, Any]:
     try:
         # UTF-8 only (RFC 8259): json.loads would also guess UTF-16 / UTF-32 from bytes.
         text = raw.decode("utf-8")
@@ -44,13 +59,7 @@ def loads(raw: bytes) -> dict[str, Any]:
         raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):  # JSONDecodeError, bad UTF-8, NaN, integers too long
         raise invalid("the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("the request body must be a JSON object", code="invalid_json")
-    if text_nests_deeper(raw, data, MAX_DEPTH):
-        raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
-    if _ESCAPED_SURROGATE.search(text) is not None:  # only then can a string hold a lone surrogate
-        _check_text(data)
-    return data
+    return text, data
 
 
 def _check_text(root: Any) -> None:

@@ -13,9 +13,14 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from specgate.gateway.protocol import json_codec
+
 
 class SafeJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
+        fast = json_codec.dumps(content)
+        if fast is not None:
+            return fast
         try:
             return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
         except UnicodeEncodeError:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from specgate.gateway.http.responses import finite
+from specgate.gateway.protocol import json_codec
 
 T = TypeVar("T")
 
@@ -110,6 +111,9 @@ class EventStreamResponse(Response):
 
 
 def sse(obj: Any) -> bytes:
+    fast = json_codec.dumps(obj)
+    if fast is not None:
+        return b"data: " + fast + b"\n\n"
     try:
         text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
     except ValueError:  # NaN / Infinity from an upstream: null is the nearest valid JSON
