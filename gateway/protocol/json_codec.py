@@ -14,20 +14,23 @@ request were a tenth of a worker's CPU), but it differs on what a gateway must g
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # 2**63 has 19 digits: anything shorter fits an int64
-_LONG_DIGITS_TEXT = re.compile(r"[0-9]{19}")
+# Digits become "9", everything else a space: a run of 19 nines is then one fast substring search
+# (a regex for [0-9]{19} cost five times orjson's whole parse). 2**63 has 19 digits: any shorter
+# integer fits an int64.
+_DIGITS = bytes(0x39 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"9" * 19
 UNDECIDED: Final = object()  # `loads` left the document to the standard library
 
 
 def loads(raw: bytes | str) -> Any:
     """The parsed document, or UNDECIDED where orjson's answer could differ from `json.loads`."""
-    long_digits = _LONG_DIGITS if isinstance(raw, bytes) else _LONG_DIGITS_TEXT
-    if long_digits.search(raw) is not None:  # type: ignore[arg-type]
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")  # a lone surrogate then fails orjson's UTF-8 check
+    if _LONG_RUN in raw.translate(_DIGITS):
         return UNDECIDED
     try:
         return orjson.loads(raw)
