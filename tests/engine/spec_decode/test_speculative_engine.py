@@ -36,6 +36,17 @@ def proposer_options(method: str, tiny_draft_dir: Path, tiny_eagle_dir: Path) ->
     }.get(method, {})
 
 
+def spec_engine(
+    make_engine: Callable[..., Engine],
+    method: str,
+    tiny_draft_dir: Path,
+    tiny_eagle_dir: Path,
+    **config: object,
+) -> Engine:
+    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
+    return make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options, **config)
+
+
 def plain_and_speculative(engine: Engine, spec: SpecParams, **sampling: object) -> tuple[dict, int]:
     """Each repetitive prompt decoded greedily twice in one batch, plainly and with `spec`; asserts the
     two outputs are token-identical and returns (outputs by request id, number of prompts)."""
@@ -78,8 +89,7 @@ def test_greedy_speculation_is_token_identical_in_mixed_batches(
     tiny_eagle_dir: Path,
 ) -> None:
     # The draft is a different model with the same tokenizer, so drafts are sometimes rejected.
-    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
-    engine = make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options)
+    engine = spec_engine(make_engine, method, tiny_draft_dir, tiny_eagle_dir)
     spec = SpecParams(method=method, controller=controller, num_speculative_tokens=3, k_max=5)
     outs, n = plain_and_speculative(engine, spec)
     drafted = accepted = 0
@@ -108,10 +118,7 @@ def test_greedy_speculation_is_token_identical_on_quantized_weights(
 ) -> None:
     # Plain and speculative decoding on the same quantized weights (fp32 activations): verifying
     # k + 1 rows through the int8 / int4 kernels must pick what k + 1 single-row steps pick.
-    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
-    engine = make_engine(
-        num_blocks=1024, max_num_batched_tokens=48, proposer_options=options, quantization=quantization
-    )
+    engine = spec_engine(make_engine, method, tiny_draft_dir, tiny_eagle_dir, quantization=quantization)
     outs, n = plain_and_speculative(engine, SpecParams(method=method, controller="static"))
     assert sum(outs[f"spec{i}"][-1].stats.spec.num_draft_tokens for i in range(n)) > 0
 
@@ -127,8 +134,7 @@ def test_greedy_speculation_with_logit_bias_is_token_identical(
     # The bias is part of the target distribution: drafts are verified against biased logits, so
     # speculation must reproduce plain decoding under the same bias, which itself must differ
     # from unbiased decoding (else the bias was ignored).
-    options = proposer_options(method, tiny_draft_dir, tiny_eagle_dir)
-    engine = make_engine(num_blocks=1024, max_num_batched_tokens=48, proposer_options=options)
+    engine = spec_engine(make_engine, method, tiny_draft_dir, tiny_eagle_dir)
     unbiased, n = plain_and_speculative(engine, SpecParams(method=method, controller="static"))
     favourite = max(range(96), key=lambda t: sum(tokens(unbiased[f"plain{i}"]).count(t) for i in range(n)))
     bias = {favourite: -100.0, 7: 4.0, 11: 2.5}
