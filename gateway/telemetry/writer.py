@@ -33,7 +33,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, StatementError
 
 from specgate.gateway.telemetry.fit import clean_text, fit_row
 from specgate.gateway.telemetry.idle_cpu import yield_cpu
@@ -62,6 +62,27 @@ def _row_fault(exc: Exception) -> bool:
     if isinstance(exc, DBAPIError):
         return False
     return isinstance(exc, StatementError | ValueError | TypeError | OverflowError | UnicodeError)
+
+
+# A lock lost to another writer is not an outage. SQLite can answer "database is locked" at once,
+# whatever its busy timeout (a WAL snapshot gone stale, a checkpoint or recovery in the way);
+# PostgreSQL may pick this transaction as a deadlock's victim. Such a batch is tried again after a
+# pause before its rows go to the spool and the database is reported down.
+TRANSIENT_RETRIES = 3
+TRANSIENT_PAUSE = 0.05  # seconds, doubled on each retry
+_TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
+
+
+def _transient(exc: Exception) -> bool:
+    if not isinstance(exc, OperationalError):
+        return False
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) in _TRANSIENT_SQLSTATES:
+        return True
+    if str(getattr(orig, "sqlite_errorname", "")).startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return True
+    message = str(orig).lower()
+    return "database is locked" in message or "database is busy" in message
 
 
 @dataclass(slots=True)
@@ -272,12 +293,18 @@ class TelemetryWriter:
         """Insert `entries`; raises DatabaseDown if the database cannot take rows now (unreachable,
         locked, timing out: spool and retry). Rows it refuses for a reason of their own are found by
         halving the batch and quarantined, the rest inserted."""
-        try:
-            self._insert_entries(entries)
-        except Exception as exc:
-            self.counters.db_errors += 1
-            self._raise_if_down(exc)
-            self._bisect(entries, exc)
+        for attempt in range(TRANSIENT_RETRIES + 1):
+            try:
+                self._insert_entries(entries)
+            except Exception as exc:
+                if attempt < TRANSIENT_RETRIES and _transient(exc):
+                    logger.debug("telemetry insert lost a lock (%s); trying again", exc)
+                    time.sleep(TRANSIENT_PAUSE * 2**attempt)
+                    continue
+                self.counters.db_errors += 1
+                self._raise_if_down(exc)
+                self._bisect(entries, exc)
+            break
         self.db_up = True
 
     def _bisect(self, entries: list[dict[str, Any]], exc: Exception) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -10,11 +11,13 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 
 from specgate.bench.tcp_proxy import behind_proxy
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry import schema
+from specgate.gateway.telemetry import writer as writer_module
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row
 from specgate.gateway.telemetry.spool import Spool
@@ -146,6 +149,45 @@ def test_restart_with_a_spool_replays_it(sqlite_url: str, tmp_path: Path) -> Non
     up.close()
     assert count(sqlite_url) == 50 and up.counters.replayed == 50 and up.counters.adopted == 1
     assert list(spool_dir.glob("spool-*.jsonl")) == []
+
+
+def _locked() -> OperationalError:
+    return OperationalError("INSERT INTO requests ...", {}, sqlite3.OperationalError("database is locked"))
+
+
+@pytest.mark.parametrize(("failures", "spooled"), [(3, 0), (4, 5)])
+def test_a_lost_lock_is_retried_before_rows_spool(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: int, spooled: int
+) -> None:
+    # SQLite may answer "database is locked" at once, whatever its busy timeout: up to
+    # TRANSIENT_RETRIES such answers in a row are a lock lost to another writer, not an outage.
+    schema.upgrade(sqlite_url)
+    monkeypatch.setattr(writer_module, "TRANSIENT_PAUSE", 0.001)
+    w = writer_for(sqlite_url, tmp_path / "spool", batch_size=8)
+    real = w._insert_entries
+    left = [failures]
+
+    def flaky(entries: list) -> None:  # type: ignore[type-arg]
+        if left[0] > 0:
+            left[0] -= 1
+            raise _locked()
+        real(entries)
+
+    monkeypatch.setattr(w, "_insert_entries", flaky)
+    for i in range(5):
+        w.submit(record(i))
+    assert w.flush()
+    w.close()
+    assert count(sqlite_url) == 5  # nothing lost either way
+    assert w.counters.spooled == spooled
+    assert w.counters.db_errors == (1 if spooled else 0)
+
+
+def test_only_lock_conflicts_count_as_transient() -> None:
+    assert writer_module._transient(_locked())
+    refused = OperationalError("INSERT", {}, sqlite3.OperationalError("no such table: requests"))
+    assert not writer_module._transient(refused)
+    assert not writer_module._transient(ValueError("database is locked"))
 
 
 def test_sqlite_parallel_writers(sqlite_url: str, tmp_path: Path) -> None:
