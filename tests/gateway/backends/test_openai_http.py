@@ -248,6 +248,30 @@ def test_tools_and_vendor_fields_pass_through_but_spec_does_not(shared: Shared, 
     assert "spec" not in body  # specgate's own extension stays here
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_numbers_past_64_bits_and_unicode_pass_through_exactly(shared: Shared, stream: bool) -> None:
+    # The fast JSON path must not round what it does not understand: vendor fields travel as sent.
+    live, fake = shared
+    big, negative = 2**70 + 1, -(2**64) - 3
+    fake.script(Reply.ok(extra={"x_vendor": {"n": big, "m": negative, "t": "é\u2028😀"}}))
+    body = {
+        "model": PUBLIC,
+        "messages": [{"role": "user", "content": "hi 😀"}],
+        "x_trace": {"n": big, "m": negative},
+        "stream": stream,
+    }
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    if stream:
+        last = [e for e in sse_events(r.text) if isinstance(e, dict) and "x_vendor" in e]
+        assert last and last[-1]["x_vendor"] == {"n": big, "m": negative, "t": "é\u2028😀"}
+    else:
+        assert r.json()["x_vendor"] == {"n": big, "m": negative, "t": "é\u2028😀"}
+    (sent,) = fake.posts()
+    assert sent.body["x_trace"] == {"n": big, "m": negative}
+    assert sent.body["messages"][0]["content"] == "hi 😀"
+
+
 # ---- retries -------------------------------------------------------------------------------------
 
 
