@@ -67,13 +67,15 @@ class Services:
         store = TelemetryStore(settings.telemetry, relay) if settings.telemetry.enabled else None
         shared = attached(worker.shared_limits if worker is not None else None)
         policy: PolicyManager | None = None
-        router: Router = StaticRouter(settings, registry)
+        router: Router
         if settings.policy.enabled:
             path = settings.policy.classifier_path
             classifier = WorkloadClassifier.load(Path(path) if path else DEFAULT_ARTIFACT)
             versions = SqlPolicyStore(store.engine) if store is not None else MemoryPolicyStore()
             policy = PolicyManager(settings.policy, versions, persistent=store is not None)
             router = PolicyRouter(settings, registry, classifier, policy)
+        else:
+            router = StaticRouter(settings, registry)
         services = cls(
             settings=settings,
             client=client,
