@@ -88,6 +88,9 @@ class PolicyRouter:
         features = request_features(info, cls.probs)
         arms = self.arms(names)
         manager = self.manager
+        # A seeded request is never explored: the same seed must give the same answer, and a
+        # speculative arm draws its random numbers differently from plain sampling.
+        explore = explore and request.seed is None
         decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)
         arm = decision.arm
         backends = [arm.backend, *(n for n in names if n != arm.backend)]

@@ -10,6 +10,7 @@ import pytest
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.embedded.chat_template import render_chat
+from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from tests.gateway.live import LiveGateway, record_of
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
@@ -140,6 +141,27 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI, model_name: str)
     a = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     b = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_seeded_requests_are_never_explored(
+    gateway: LiveGateway, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Exploration takes a random arm, and a speculative arm samples through rejection sampling:
+    # the same seed would then give another answer.
+    router = gateway.services.router
+    manager = router.manager  # type: ignore[attr-defined]
+    asked: list[bool] = []
+    decide = manager.decide
+
+    def spy(ctx: object, explore: bool) -> object:
+        asked.append(explore)
+        return decide(ctx, explore)
+
+    monkeypatch.setattr(manager, "decide", spy)
+    for extra in ({}, {"seed": 7}, {"seed": 0}):
+        body = {"model": model_name, "messages": MESSAGES, "temperature": 1.0, **extra}
+        router.route(ChatCompletionRequest.model_validate(body), gateway.services.load_signals())
+    assert asked == [True, False, False]
 
 
 def test_logprobs(client: openai.OpenAI, model_name: str) -> None:
