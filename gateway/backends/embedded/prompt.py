@@ -6,6 +6,7 @@ gets a 400 and never a half-started stream.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,11 @@ def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> Ga
     return GatewayError(400, message, code=code, param=param)
 
 
+def _in_vocab(token_ids: Iterable[int], vocab: int, param: str, what: str) -> None:
+    if any(t >= vocab for t in token_ids):
+        raise GatewayError(400, f"{what} in [0, {vocab}) for this model", code="invalid_value", param=param)
+
+
 def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
     if (req.n or 1) > 1:
@@ -59,21 +65,9 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         tools, logprobs = False, req.logprobs
         rid, param = f"cmpl-{call.request_id}", "prompt"
     vocab = model.vocab_size
-    if any(t >= vocab for t in req.stop_token_ids or ()):
-        raise GatewayError(
-            400,
-            f"stop_token_ids must be in [0, {vocab}) for this model",
-            code="invalid_value",
-            param="stop_token_ids",
-        )
+    _in_vocab(req.stop_token_ids or (), vocab, "stop_token_ids", "stop_token_ids must be")
     bias = {int(t): v for t, v in (req.logit_bias or {}).items()}
-    if any(t >= vocab for t in bias):
-        raise GatewayError(
-            400,
-            f"logit_bias keys must be token ids in [0, {vocab}) for this model",
-            code="invalid_value",
-            param="logit_bias",
-        )
+    _in_vocab(bias, vocab, "logit_bias", "logit_bias keys must be token ids")
     room = model.max_model_len - len(prompt_ids)
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
@@ -102,7 +96,7 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
-            logit_bias=bias or None,
+            logit_bias=bias,
         )
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value") from exc
