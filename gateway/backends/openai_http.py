@@ -156,9 +156,8 @@ class OpenAIBackend:
         """One response with a 2xx status, after retries; raises GatewayError otherwise."""
         s = self.settings
         url = f"{s.base_url}{_PATHS[call.kind]}"
-        # Encoded once for every retry; compact, and ASCII-escaped where UTF-8 cannot carry the text.
-        body = self._payload(call)
-        payload = json_codec.dumps(body) or json.dumps(body, separators=(",", ":")).encode()
+        # Encoded once for every retry.
+        payload = json_codec.encode(self._payload(call))
         last: GatewayError | None = None
         for attempt in range(s.max_retries + 1):
             if not self.breaker.allow(owner=call):

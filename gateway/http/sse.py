@@ -8,7 +8,6 @@ comes: the embedded engine then aborts the request and frees its KV blocks withi
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -16,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from specgate.gateway.http.responses import finite
 from specgate.gateway.protocol import json_codec
 
 T = TypeVar("T")
@@ -110,15 +108,19 @@ class EventStreamResponse(Response):
                 await aclose()
 
 
+# Characters JSON leaves raw but line readers split on (Python's str.splitlines, and httpx's
+# iter_lines with it): raw in a `data:` line they would cut an event in two. In JSON text they can
+# only stand inside strings, and UTF-8 never holds their bytes inside another character, so the
+# bytes are replaced by their escapes.
+_LINE_BREAKING = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(obj: Any) -> bytes:
-    fast = json_codec.dumps(obj)
-    if fast is not None:
-        return b"data: " + fast + b"\n\n"
-    try:
-        text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-    except ValueError:  # NaN / Infinity from an upstream: null is the nearest valid JSON
-        text = json.dumps(finite(obj), separators=(",", ":"))
-    return b"data: " + text.encode() + b"\n\n"
+    data = json_codec.encode(obj)
+    for raw, escaped in _LINE_BREAKING:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

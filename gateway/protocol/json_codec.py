@@ -8,12 +8,14 @@ request were a tenth of a worker's CPU), but it differs on what a gateway must g
 - NaN, Infinity, lone surrogates, invalid UTF-8 and deep nesting are refused: the caller's own
   parser then decides, with the error message (or the leniency) it always had;
 - a string with a lone surrogate, an integer beyond 64 bits or a non-string key cannot be encoded:
-  `dumps` says so (None) and the caller encodes as before. NaN / Infinity encode as null, which is
-  what every caller here wants (a request never holds them; an upstream's become null).
+  `dumps` says so (None), and `encode` then takes the standard library's way. NaN / Infinity
+  encode as null, which is what every caller here wants (a request never holds them; an
+  upstream's become null).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 import orjson
@@ -44,3 +46,28 @@ def dumps(value: Any) -> bytes | None:
         return orjson.dumps(value)
     except TypeError:
         return None
+
+
+def encode(value: Any) -> bytes:
+    """Compact JSON that can always be written: orjson's where it can; else the standard library's,
+    ASCII-escaped if the text holds a lone surrogate UTF-8 cannot carry, with NaN / Infinity as null."""
+    fast = dumps(value)
+    if fast is not None:
+        return fast
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:  # NaN / Infinity: null is the nearest valid JSON
+        return json.dumps(finite(value), ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
