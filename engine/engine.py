@@ -16,36 +16,32 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from specgate.engine import draft_tree
+from specgate.engine.admission import checked_prompt, new_sequence, request_generator
 from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.config import EngineConfig
-from specgate.engine.detokenizer import IncrementalDetokenizer
-from specgate.engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestError
+from specgate.engine.drafting import Drafter, mean_context
+from specgate.engine.errors import DuplicateRequestError, RequestError
 from specgate.engine.model_runner import ModelRunner
-from specgate.engine.outputs import RequestOutput, RequestStats, SpecStats, TokenLogprob
+from specgate.engine.outputs import RequestOutput, TokenLogprob
 from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.scheduler import ScheduledSequence, Scheduler
 from specgate.engine.sequence import Sequence, SequenceStatus
 from specgate.engine.spec_decode import tree_proposal
-from specgate.engine.spec_decode.controller import Candidate, SpecState, TreeCandidate, choose_k, grow_trees
 from specgate.engine.spec_decode.cost_model import CostModel
 from specgate.engine.spec_decode.params import SpecParams
-from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, Proposer, ProposerContext
+from specgate.engine.spec_decode.proposer import Proposal, Proposer, ProposerContext
 from specgate.engine.spec_decode.proposers import proposer_factory
-from specgate.engine.spec_decode.rejection_sampler import (
-    verify_greedy,
-    verify_sampled,
-    verify_tree_greedy,
-    verify_tree_sampled,
-)
+from specgate.engine.spec_decode.rejection_sampler import verify_draft
+from specgate.engine.stop_rules import may_stop, sampling_row, stop_after
 
 logger = logging.getLogger("specgate.engine")
 
@@ -96,15 +92,33 @@ class Engine:
             max_cached_blocks=self._max_cached_blocks(),
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.cost_model = CostModel()
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
         self.consecutive_forward_failures = 0  # reset by every forward pass that succeeds
         self._proposers: dict[str, Proposer] = {}
+        self.drafter = Drafter(
+            self.block_manager,
+            self.proposer,
+            self._fail,
+            vocab_size=self.runner.vocab_size,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            deterministic=config.deterministic,
+            eos_token_ids=self.eos_token_ids,
+        )
         for method in config.proposer_options:
             self.proposer(method)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """Measured step costs (forward passes, drafting) behind every controller's choices."""
+        return self.drafter.cost_model
+
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        self.drafter.cost_model = model
 
     def _max_cached_blocks(self) -> int | None:
         limit = self.config.prefix_cache_bytes
@@ -155,53 +169,22 @@ class Engine:
         blocks (the prefix cache) only under the same salt; None shares nothing."""
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= self.runner.vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{len(prompt)} prompt + {params.max_tokens} completion tokens"
-            )
+        prompt = checked_prompt(prompt_token_ids, params, self.runner.vocab_size, self.max_model_len)
         proposer = None
         if spec is not None and spec.enabled:
             try:
                 proposer = self.proposer(spec.method)
             except ValueError as exc:
                 raise RequestError(str(exc)) from exc
-        generator = torch.Generator(device=self.runner.device)
-        seed = (
-            params.seed
-            if params.seed is not None
-            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        )
-        try:
-            generator.manual_seed(seed % 2**64)  # negative seeds as their 64-bit two's complement
-        except (RuntimeError, OverflowError) as exc:
-            raise RequestError(f"invalid seed {seed}: {exc}") from None
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt, params.stop, params.include_stop_str_in_output
-            )
-        stats = RequestStats(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt))
-        if proposer is not None and spec is not None:
-            stats.spec = SpecStats(spec.method)
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=prompt,
-            num_prompt_tokens=len(prompt),
-            params=params,
-            generator=generator,
-            stats=stats,
-            detokenizer=detok,
-            spec=SpecState(spec) if proposer is not None and spec is not None else None,
-            prefix_salt=prefix_salt,
+        generator = request_generator(params.seed, self.runner.device, self._rng)
+        seq = new_sequence(
+            request_id,
+            prompt,
+            params,
+            spec if proposer is not None else None,
+            generator,
+            self.tokenizer,
+            prefix_salt,
         )
         if proposer is not None:
             try:
@@ -257,7 +240,7 @@ class Engine:
 
     def _plan(self, batch: list[ScheduledSequence], outputs: list[RequestOutput]) -> _Step | None:
         """Drafts for the speculating sequences (KV room reserved), and the forward items."""
-        drafts = self._propose(batch)
+        drafts = self.drafter.propose(batch)
         batch, drafts = self._drop_failed(batch, drafts, outputs)
         if not batch:
             return None
@@ -332,7 +315,7 @@ class Engine:
     def _postprocess(self, step: _Step, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's cost for the controllers, and the outputs of sequences that moved."""
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
-        context = _mean_context((it.start, len(it.token_ids)) for it in step.items)
+        context = mean_context((it.start, len(it.token_ids)) for it in step.items)
         self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, context)
         for s in step.batch:
             seq = s.seq
@@ -404,137 +387,7 @@ class Engine:
         usable = (processed.isfinite().any(dim=-1) & ~processed.isnan().any(dim=-1)).tolist()  # [num_rows]
         return processed, usable
 
-    # ---- speculation -------------------------------------------------------------------------
-
-    def _propose(self, batch: list[ScheduledSequence]) -> list[Proposal]:
-        """Drafts per scheduled sequence (empty for most); KV room is reserved for them."""
-        drafts = [Proposal([]) for _ in batch]
-        speculating = [
-            i for i, s in enumerate(batch) if s.seq.spec is not None and s.samples and s.num_tokens == 1
-        ]
-        if not speculating:
-            return drafts
-        bs = self.block_manager.block_size
-        free_slots = self.block_manager.num_free_blocks * bs
-        candidates = []
-        rooms: dict[int, int] = {}  # KV slots each speculating sequence could still take
-        for i in speculating:
-            seq = batch[i].seq
-            room = rooms[i] = len(seq.block_table) * bs - seq.num_tokens + free_slots
-            cap = min(
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-                room,
-            )
-            assert seq.spec is not None and seq.stats.spec is not None
-            method = seq.stats.spec.method
-            candidates.append(Candidate(seq.spec, method, self.proposer(method).autoregressive, max(0, cap)))
-        scheduled_tokens = sum(s.num_tokens for s in batch)
-        emitting = sum(s.samples for s in batch)
-        context = _mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
-        ks = choose_k(
-            candidates,
-            num_emitting=emitting,
-            num_tokens=scheduled_tokens,
-            budget=max(0, self.config.max_num_batched_tokens - scheduled_tokens),
-            cost=self.cost_model,
-            context=context,
-        )
-        by_method: dict[str, list[tuple[int, ProposalRequest]]] = {}
-        for i, c, k in zip(speculating, candidates, ks, strict=True):
-            if k == 0:
-                c.state.relax()
-            else:
-                seq = batch[i].seq
-                # Deterministic mode keeps fixed attention tiles per sequence: chains only.
-                nodes = 0 if self.config.deterministic else c.state.params.max_tree_nodes
-                row = self._sampling_row(seq, [])
-                req = ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes)
-                by_method.setdefault(c.method, []).append((i, req))
-        drafted: dict[int, Proposal] = {}
-        for method, reqs in by_method.items():
-            proposer = self.proposer(method)
-            t0 = time.perf_counter()
-            proposals = self._drafts(proposer, method, batch, reqs)
-            for (i, req), prop in zip(reqs, proposals, strict=True):
-                try:
-                    checked, problem = tree_proposal.checked(prop, req, self.runner.vocab_size)
-                except Exception:  # a proposal too broken to inspect: drafted nothing, the request goes on
-                    checked, problem = None, "an unreadable proposal"
-                if problem is not None:
-                    logger.warning("proposer %s returned %s; dropped", method, problem)
-                if checked is not None and not batch[i].seq.is_finished:
-                    drafted[i] = checked
-            steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
-            self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
-        chosen = self._grow_trees(batch, drafted, rooms, scheduled_tokens, emitting, context)
-        for i, prop in chosen.items():
-            seq = batch[i].seq
-            for attempt in (prop, tree_proposal.first_path(prop)):
-                n = seq.num_tokens + len(attempt.token_ids)
-                if attempt.token_ids and self.block_manager.can_allocate(seq, n):
-                    self.block_manager.allocate(seq, n)
-                    drafts[i] = attempt
-                    break
-        return drafts
-
-    def _grow_trees(
-        self,
-        batch: list[ScheduledSequence],
-        drafted: dict[int, Proposal],
-        rooms: dict[int, int],
-        scheduled: int,
-        emitting: int,
-        context: float,
-    ) -> dict[int, Proposal]:
-        """Drafts cut to the nodes worth verifying: a goodput-controlled tree keeps its first path (at
-        most the k it was given deep, as checked) and the branch nodes that pay in this step; other
-        trees keep what they have up to the KV room."""
-        out: dict[int, Proposal] = {}
-        trees: list[tuple[int, TreeCandidate]] = []
-        tokens = scheduled
-        for i, prop in drafted.items():
-            spec = batch[i].seq.spec
-            assert spec is not None
-            if prop.parents is None:
-                out[i] = prop
-                tokens += len(prop.token_ids)
-            elif spec.params.controller == "goodput":
-                trees.append((i, TreeCandidate(spec, prop.parents, rooms[i], prop.scores)))
-                tokens += min(len(draft_tree.first_path(prop.parents)), rooms[i])
-            else:
-                out[i] = tree_proposal.cut(prop, list(range(min(len(prop.token_ids), rooms[i]))))
-        if trees:
-            budget = max(0, self.config.max_num_batched_tokens - tokens)
-            kept = grow_trees([t for _, t in trees], emitting, tokens, budget, self.cost_model, context)
-            for (i, _), keep in zip(trees, kept, strict=True):
-                out[i] = tree_proposal.cut(drafted[i], keep)
-        return {i: p for i, p in sorted(out.items()) if p.token_ids}
-
-    def _drafts(
-        self,
-        proposer: Proposer,
-        method: str,
-        batch: list[ScheduledSequence],
-        reqs: list[tuple[int, ProposalRequest]],
-    ) -> list[Proposal]:
-        """One batched draft call; if it fails, each request is drafted alone and only the requests
-        whose drafting fails are failed."""
-        try:
-            proposals = proposer.propose([r for _, r in reqs])
-            if len(proposals) == len(reqs):
-                return proposals
-            raise RuntimeError(f"{len(proposals)} proposals for {len(reqs)} requests")
-        except Exception:
-            logger.exception("batched drafting with %s failed; drafting each request alone", method)
-        out: list[Proposal] = []
-        for i, req in reqs:
-            try:
-                out.append(proposer.propose([req])[0])
-            except Exception as exc:
-                self._fail(batch[i].seq, f"drafting with {method} failed ({type(exc).__name__})")
-                out.append(Proposal([]))
-        return out
+    # ---- a verified step's tokens ------------------------------------------------------------
 
     def _emit(
         self,
@@ -549,19 +402,12 @@ class Engine:
     ) -> None:
         draft, parents = proposal.token_ids, proposal.parents
         path: list[int] = []  # accepted nodes
-        if draft and parents is not None:
-            if seq.params.greedy:
-                tree = verify_tree_greedy(processed, draft, parents)
-            else:
-                tree = verify_tree_sampled(processed, draft, parents, proposal.probs, seq.generator)
-            tokens, path = tree.token_ids, tree.path
-            self._keep_path(seq, path)
-        elif draft:
-            if seq.params.greedy:
-                result = verify_greedy(processed, draft)
-            else:
-                result = verify_sampled(processed, draft, proposal.probs, seq.generator)
-            tokens, path = result.token_ids, list(range(result.num_accepted))
+        if draft:
+            greedy = seq.params.greedy
+            verified = verify_draft(processed, draft, parents, proposal.probs, greedy, seq.generator)
+            tokens, path = verified.token_ids, verified.path
+            if parents is not None:
+                self._keep_path(seq, path)
         else:
             tokens = sample(processed, rows)
         accepted = len(path)
@@ -639,12 +485,7 @@ class Engine:
         return ForwardItem(tokens, start, seq.block_table, num_logits, draft.parents)
 
     def _sampling_row(self, seq: Sequence, extra: Seq[int]) -> SamplingRow:
-        p = seq.params
-        suppress: tuple[int, ...] = ()
-        if seq.num_output_tokens + len(extra) < p.min_tokens:
-            suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
-        history = [*seq.token_ids, *extra] if extra else seq.token_ids
-        return SamplingRow(p, history, seq.num_prompt_tokens, seq.generator, suppress)
+        return sampling_row(seq, extra, self.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> None:
         seq.token_ids.append(token)
@@ -657,21 +498,11 @@ class Engine:
         if stats.first_token_time is None:
             stats.first_token_time = now
         stats.last_token_time = now
-        p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
-        stop_string = seq.detokenizer.append(token, may_stop) if seq.detokenizer is not None else None
-        if may_stop:
-            if token in p.stop_token_ids:
-                self._finish(seq, "stop", token)
-                return
-            if token in self.eos_token_ids and not p.ignore_eos:
-                self._finish(seq, "stop", None)
-                return
-            if stop_string is not None:
-                self._finish(seq, "stop", stop_string)
-                return
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length", None)
+        detok = seq.detokenizer
+        stop_string = detok.append(token, may_stop(seq)) if detok is not None else None
+        ended = stop_after(seq, token, stop_string, self.max_model_len, self.eos_token_ids)
+        if ended is not None:
+            self._finish(seq, *ended)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
         seq.finish_reason = reason
@@ -707,12 +538,3 @@ class Engine:
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         return out
-
-
-def _mean_context(chunks: Iterable[tuple[int, int]]) -> float:
-    """Keys each new token attends to, on average, for (start, num_new_tokens) per sequence."""
-    tokens = work = 0
-    for start, n in chunks:
-        tokens += n
-        work += n * (start + n)
-    return work / tokens if tokens else 0.0

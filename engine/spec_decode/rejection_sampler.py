@@ -142,3 +142,25 @@ def _children(draft: Sequence[int], parents: Sequence[int]) -> dict[int, dict[in
     for i, par in enumerate(parents):
         out.setdefault(par, {}).setdefault(int(draft[i]), i)
     return out
+
+
+def verify_draft(
+    processed: torch.Tensor,  # [n + 1, vocab] target logits after processing
+    draft: Sequence[int],
+    parents: Sequence[int] | None,  # None: a chain
+    draft_probs: torch.Tensor | None,  # [n, vocab] or None (point masses)
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> TreeVerification:
+    """Any non-empty draft, chain or tree, greedy or sampled: the emitted tokens and accepted nodes
+    (for a chain, the first `num_accepted` positions)."""
+    if parents is not None:
+        if greedy:
+            return verify_tree_greedy(processed, draft, parents)
+        return verify_tree_sampled(processed, draft, parents, draft_probs, generator)
+    chain = (
+        verify_greedy(processed, draft)
+        if greedy
+        else verify_sampled(processed, draft, draft_probs, generator)
+    )
+    return TreeVerification(chain.token_ids, list(range(chain.num_accepted)))
