@@ -1,6 +1,7 @@
 """Where one proxied request's time goes: a sequential run through `specgate serve`, profiled.
 
     python bench/profile_gateway.py [--requests 4000] [--no-telemetry] [--flamegraph worker|supervisor]
+                                     [--collapsed]
 
 Starts the stub backend and `specgate serve` (one worker; the embedded engine off; telemetry on a
 throwaway SQLite file) as bench_gateway.py does, then sends one request at a time, alternating blocks
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from specgate.bench import gateway_targets as gt
@@ -73,11 +75,28 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+def spy(pid: int, out: Path, collapsed: bool) -> subprocess.Popen[bytes]:
     binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    cmd = [binary, "record", "-p", str(pid), "-r", "1000", "--nonblocking", "-f", "flamegraph"]
+    fmt = "raw" if collapsed else "flamegraph"
+    cmd = [binary, "record", "-p", str(pid), "-r", "1000", "--nonblocking", "-f", fmt]
     cmd += ["-o", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def print_top_frames(path: Path, top: int = 30) -> None:
+    """The frames in the most samples, counting a sample once per frame on its stack (inclusive)."""
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        for frame in set(stack.split(";")):
+            inclusive[frame] += int(count)
+    print(f"{total} samples; frames by share of samples (inclusive):")
+    for frame, n in inclusive.most_common(top):
+        print(f"  {100 * n / max(1, total):5.1f}%  {frame[:140]}")
 
 
 def main() -> None:
@@ -90,6 +109,12 @@ def main() -> None:
         "--flamegraph", choices=("worker", "supervisor"), help="profile this process with py-spy"
     )
     parser.add_argument("--out", type=Path, default=Path("gateway-flamegraph.svg"), help="the SVG's path")
+    parser.add_argument(
+        "--collapsed",
+        action="store_true",
+        help="write collapsed stacks (one line per stack: frames;...;frame count) instead of an SVG, "
+        "and print the frames with the most samples",
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="specgate-profile-"))
     stub = gt.start_stub(tmp)
@@ -102,7 +127,9 @@ def main() -> None:
             direct.call(), through.call()
         profiler = None
         if args.flamegraph:
-            profiler = spy(worker if args.flamegraph == "worker" else gateway.proc.pid, args.out)
+            profiler = spy(
+                worker if args.flamegraph == "worker" else gateway.proc.pid, args.out, args.collapsed
+            )
             time.sleep(1.0)  # py-spy attaches
         before = gt.cpu_seconds(list(roles))
         times: dict[str, list[float]] = {"direct": [], "specgate": []}
@@ -122,7 +149,9 @@ def main() -> None:
         cpu = {roles[pid]: (after[pid] - before[pid]) / n * 1e6 for pid in after if pid in before}
         print("specgate CPU per request, µs:", ", ".join(f"{role} {us:.0f}" for role, us in cpu.items()))
         if profiler is not None:
-            print(f"flame graph of the {args.flamegraph}: {args.out}")
+            print(f"{'stacks' if args.collapsed else 'flame graph'} of the {args.flamegraph}: {args.out}")
+            if args.collapsed:
+                print_top_frames(args.out)
         direct.close()
         through.close()
     finally:
