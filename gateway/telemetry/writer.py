@@ -19,10 +19,7 @@ Spool files left by processes that are gone are adopted and replayed (see `spool
 from __future__ import annotations
 
 import collections
-import datetime as dt
-import json
 import logging
-import os
 import random
 import threading
 import time
@@ -33,15 +30,16 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, StatementError
 
-from specgate.gateway.telemetry.fit import clean_text, fit_row
+from specgate.gateway.telemetry.db_faults import row_fault, transient
+from specgate.gateway.telemetry.fit import fit_row
 from specgate.gateway.telemetry.idle_cpu import yield_cpu
 from specgate.gateway.telemetry.inbox import Inbox, InboxFull
+from specgate.gateway.telemetry.quarantine import keep_refused
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql, upgrade_row
-from specgate.gateway.telemetry.spool import Orphan, Spool, write_all
-from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
+from specgate.gateway.telemetry.spool import Orphan, Spool
+from specgate.gateway.telemetry.tables import requests, spec_steps
 
 logger = logging.getLogger("specgate.telemetry")
 ORPHAN_SCAN_INTERVAL = 10.0
@@ -52,37 +50,10 @@ class DatabaseDown(Exception):
     timing out): spool and retry, don't quarantine."""
 
 
-def _row_fault(exc: Exception) -> bool:
-    """Whether a failed insert is the rows' fault: a value the database refuses (DataError,
-    IntegrityError) or one that could not even be sent (a binding or conversion error before the
-    database saw it). Operational errors (timeouts, locks, connections) and programming errors (a
-    schema out of step) are the database's: the rows wait in the spool instead."""
-    if isinstance(exc, DataError | IntegrityError):
-        return True
-    if isinstance(exc, DBAPIError):
-        return False
-    return isinstance(exc, StatementError | ValueError | TypeError | OverflowError | UnicodeError)
-
-
-# A lock lost to another writer is not an outage. SQLite can answer "database is locked" at once,
-# whatever its busy timeout (a WAL snapshot gone stale, a checkpoint or recovery in the way);
-# PostgreSQL may pick this transaction as a deadlock's victim. Such a batch is tried again after a
-# pause before its rows go to the spool and the database is reported down.
+# A batch that lost a lock (db_faults.transient) is tried again after a pause before its rows go to
+# the spool and the database is reported down.
 TRANSIENT_RETRIES = 3
 TRANSIENT_PAUSE = 0.05  # seconds, doubled on each retry
-_TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
-
-
-def _transient(exc: Exception) -> bool:
-    if not isinstance(exc, OperationalError):
-        return False
-    orig = exc.orig
-    if getattr(orig, "sqlstate", None) in _TRANSIENT_SQLSTATES:
-        return True
-    if str(getattr(orig, "sqlite_errorname", "")).startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
-        return True
-    message = str(orig).lower()
-    return "database is locked" in message or "database is busy" in message
 
 
 @dataclass(slots=True)
@@ -297,7 +268,7 @@ class TelemetryWriter:
             try:
                 self._insert_entries(entries)
             except Exception as exc:
-                if attempt < TRANSIENT_RETRIES and _transient(exc):
+                if attempt < TRANSIENT_RETRIES and transient(exc):
                     logger.debug("telemetry insert lost a lock (%s); trying again", exc)
                     time.sleep(TRANSIENT_PAUSE * 2**attempt)
                     continue
@@ -320,7 +291,7 @@ class TelemetryWriter:
                 self._bisect(half, half_exc)
 
     def _raise_if_down(self, exc: Exception) -> None:
-        if not _row_fault(exc) or not self.ping():
+        if not row_fault(exc) or not self.ping():
             self.note_db_failure(exc)
             raise DatabaseDown() from exc
 
@@ -336,38 +307,10 @@ class TelemetryWriter:
                 conn.execute(stmt, steps)
 
     def _quarantine(self, entry: dict[str, Any], exc: Exception) -> None:
-        row = entry.get("r") or {}
-        request_id = clean_text(str(row.get("request_id")), 128)
-        error = clean_text(f"{type(exc).__name__}: {exc}", 4000)
-        payload = json.dumps(entry, ensure_ascii=True, default=str)
-        logger.error("telemetry row %s quarantined: %s", request_id, error.splitlines()[0][:200])
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(
-                    telemetry_quarantine.insert(),
-                    {
-                        "quarantined_at": dt.datetime.now(dt.UTC),
-                        "request_id": request_id,
-                        "error": error,
-                        "row": payload,
-                    },
-                )
-        except Exception:
-            logger.exception("the quarantine table refused row %s too; keeping it in a file", request_id)
-            try:
-                path = self.spool.directory / f"quarantine-{os.getpid()}.jsonl"
-                self.spool.directory.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                try:
-                    line = json.dumps({"error": error, "entry": payload}, ensure_ascii=True) + "\n"
-                    write_all(fd, line.encode())
-                finally:
-                    os.close(fd)
-            except OSError:
-                self.counters.dropped += 1
-                logger.critical("TELEMETRY ROW LOST: %s could not be quarantined anywhere", request_id)
-                return
-        self.counters.quarantined += 1
+        if keep_refused(self.engine, self.spool.directory, entry, exc):
+            self.counters.quarantined += 1
+        else:
+            self.counters.dropped += 1
 
     def _to_spool(self, entries: list[dict[str, Any]]) -> None:
         try:

@@ -183,13 +183,6 @@ def test_a_lost_lock_is_retried_before_rows_spool(
     assert w.counters.db_errors == (1 if spooled else 0)
 
 
-def test_only_lock_conflicts_count_as_transient() -> None:
-    assert writer_module._transient(_locked())
-    refused = OperationalError("INSERT", {}, sqlite3.OperationalError("no such table: requests"))
-    assert not writer_module._transient(refused)
-    assert not writer_module._transient(ValueError("database is locked"))
-
-
 def test_sqlite_parallel_writers(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
     writers = [writer_for(sqlite_url, tmp_path / f"spool{i}", batch_size=8) for i in range(4)]
@@ -358,22 +351,6 @@ print("ready", flush=True)
 sys.stdin.read()
 spool.close()
 """
-
-
-def test_only_the_rows_own_faults_are_quarantined() -> None:
-    """A timeout, a lock or a lost connection is the database's fault: those rows wait in the spool."""
-    import sqlite3
-
-    from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
-
-    from specgate.gateway.telemetry.writer import _row_fault
-
-    orig = sqlite3.Error("x")
-    assert _row_fault(DataError("insert", {}, orig)) and _row_fault(IntegrityError("insert", {}, orig))
-    assert _row_fault(StatementError("bind", "insert", {}, UnicodeEncodeError("utf-8", "x", 0, 1, "y")))
-    assert _row_fault(OverflowError("date out of range"))
-    assert not _row_fault(OperationalError("insert", {}, orig))  # locked, timed out, gone
-    assert not _row_fault(ProgrammingError("insert", {}, orig))  # a schema out of step
 
 
 def test_a_failed_spool_write_leaves_no_torn_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
