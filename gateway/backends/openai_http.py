@@ -16,10 +16,8 @@ pool is our limit, not the backend's fault: the breaker does not count it.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +25,17 @@ from typing import Any
 
 from specgate.gateway.backends.base import BackendCall, RelayedChunk
 from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
+from specgate.gateway.backends.upstream_answers import (
+    Malformed,
+    error_from,
+    json_object,
+    listed_model_ids,
+    read_capped,
+    relayable,
+    short_message,
+    sse_data,
+)
 from specgate.gateway.backends.upstream_client import (
-    DecodingError,
     PoolTimeout,
     Timeouts,
     TransportError,
@@ -38,7 +45,6 @@ from specgate.gateway.backends.upstream_client import (
 from specgate.gateway.backends.upstream_stats import capture
 from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 from specgate.gateway.settings import BackendSettings
 
 logger = logging.getLogger("specgate.backend")
@@ -48,15 +54,6 @@ _DROP = ("spec",)  # specgate's own request extensions are not forwarded
 
 
 LATENCY_EWMA = 0.2  # weight of the newest response in the latency average
-MAX_RETRY_AFTER = 3600.0
-MAX_MESSAGE = 1000  # an upstream's error message is cut here
-MAX_USAGE = 2**31 - 1
-MAX_MODEL_ID = 256
-MAX_MODELS = 1024  # model ids taken from one upstream's listing
-
-
-class _Malformed(Exception):
-    """The upstream's body or stream broke the protocol; becomes a 502."""
 
 
 class OpenAIBackend:
@@ -121,11 +118,11 @@ class OpenAIBackend:
             r = await self.client.send("GET", url, headers=self._headers, timeout=self._timeout)
             try:
                 if r.status_code >= 400:
-                    raise _Malformed(f"answered {r.status_code}")
-                raw = await _read_capped(r, self.settings.max_response_bytes)
+                    raise Malformed(f"answered {r.status_code}")
+                raw = await read_capped(r, self.settings.max_response_bytes)
             finally:
                 await r.aclose()
-            ids = _model_ids(json.loads(raw))
+            ids = listed_model_ids(json.loads(raw))
         except Exception as exc:  # any failure means down; the reason goes to the log only
             if self.probe_ok is not False:
                 logger.warning("backend %s failed its health probe: %s", self.name, type(exc).__name__)
@@ -194,7 +191,7 @@ class OpenAIBackend:
                         code="upstream_auth_failed",
                         retryable=True,
                     )
-                last = await _error_from(response, self.name, s.max_response_bytes)
+                last = await error_from(response, self.name, s.max_response_bytes)
                 if response.status_code >= 500:
                     self.breaker.record_failure()
                 else:
@@ -211,7 +208,7 @@ class OpenAIBackend:
         assert last is not None
         raise last
 
-    def _broke_protocol(self, exc: _Malformed) -> GatewayError:
+    def _broke_protocol(self, exc: Malformed) -> GatewayError:
         """A reply that breaks the protocol counts against the backend; another may serve."""
         self.breaker.record_failure()
         return GatewayError(502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True)
@@ -236,16 +233,16 @@ class OpenAIBackend:
             async with asyncio.timeout(self.settings.total_timeout):
                 response = await self._timed_send(call)
                 try:
-                    raw = await _read_capped(response, self.settings.max_response_bytes)
+                    raw = await read_capped(response, self.settings.max_response_bytes)
                 finally:
                     await response.aclose()
-            body = _json_object(raw, response.headers.get("content-type", ""))
+            body = json_object(raw, response.headers.get("content-type", ""))
         except (TransportError, TimeoutError) as exc:
             self.breaker.record_failure()
             raise GatewayError(
                 503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
             ) from exc
-        except _Malformed as exc:
+        except Malformed as exc:
             raise self._broke_protocol(exc) from None
         finally:
             self.in_flight -= 1
@@ -266,8 +263,8 @@ class OpenAIBackend:
             response = await self._timed_send(call)
             ctype = response.headers.get("content-type", "")
             if "text/event-stream" not in ctype and ctype:
-                raise _Malformed(f"answered a stream request with {ctype[:64]!r}, not an event stream")
-            events = aiter(_sse_data(response, s.max_event_bytes))
+                raise Malformed(f"answered a stream request with {ctype[:64]!r}, not an event stream")
+            events = aiter(sse_data(response, s.max_event_bytes))
             while True:
                 # Idle: the next data event within read_timeout; total: the whole stream by its deadline.
                 left = deadline - time.monotonic()
@@ -283,13 +280,13 @@ class OpenAIBackend:
                     break
                 if data == "[DONE]":
                     break
-                chunk = _json_object(data, "application/json", whole=False)
+                chunk = json_object(data, "application/json", whole=False)
                 if "error" in chunk:
                     err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
                     code = err.get("code")
                     raise GatewayError(
                         502,
-                        f"backend {self.name}: {_text(err.get('message', 'error'))}",
+                        f"backend {self.name}: {short_message(err.get('message', 'error'))}",
                         code=code if isinstance(code, str) else None,
                     )
                 capture(chunk, call.observed)
@@ -297,7 +294,7 @@ class OpenAIBackend:
                     call.observed.first_token_time = time.time()
                 if not (chunk.get("choices") or call.request.include_usage):
                     continue
-                if chunk.get("model") == call.model and _relayable(data, chunk):
+                if chunk.get("model") == call.model and relayable(data, chunk):
                     yield RelayedChunk(chunk, b"data: " + data.encode() + b"\n\n")
                 else:
                     chunk["model"] = call.model
@@ -309,7 +306,7 @@ class OpenAIBackend:
             total = total_bound or time.monotonic() >= deadline
             what = "exceeded its total timeout" if total else "sent no data in time"
             raise GatewayError(504, f"backend {self.name} {what}", code="timeout", retryable=True) from None
-        except _Malformed as exc:
+        except Malformed as exc:
             raise self._broke_protocol(exc) from None
         except TransportError as exc:
             self.breaker.record_failure()
@@ -321,193 +318,3 @@ class OpenAIBackend:
             self.breaker.release(call)
             if response is not None:
                 await response.aclose()
-
-
-async def _read_capped(response: UpstreamResponse, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for part in _decoded(response):  # decoded: a compressed bomb is capped too
-        size += len(part)
-        if size > limit:
-            raise _Malformed(f"sent a body over {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _decoded(response: UpstreamResponse) -> AsyncIterator[bytes]:
-    """The body's bytes after its content-encoding; one that does not decode is a protocol error."""
-    try:
-        async for part in response.aiter_bytes():
-            yield part
-    except DecodingError:
-        raise _Malformed("sent a body its content-encoding does not decode") from None
-
-
-def _json_object(raw: bytes | str, content_type: str, whole: bool = True) -> dict[str, Any]:
-    """An upstream body as a JSON object of the OpenAI shape, or _Malformed. Usage counts that
-    cannot be true fail a whole body (`whole`: nothing reached the client, another backend may
-    answer); in a stream's last chunk, after the text went out, they are only dropped."""
-    body = json_codec.loads(raw)
-    try:
-        if body is json_codec.UNDECIDED:
-            body = json.loads(raw, parse_constant=lambda _: None)  # NaN / Infinity: no number at all
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        kind = f" ({content_type[:64]})" if content_type and "json" not in content_type else ""
-        raise _Malformed(f"sent a body that is not JSON{kind}") from None
-    if not isinstance(body, dict):
-        raise _Malformed("sent JSON that is not an object")
-    if text_nests_deeper(raw, body, MAX_DEPTH):
-        raise _Malformed(f"sent JSON nested deeper than {MAX_DEPTH} levels")
-    choices = body.get("choices")
-    if choices is not None and (
-        not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices)
-    ):
-        raise _Malformed("sent choices that are not a list of objects")
-    usage = body.get("usage")
-    if usage is not None and not isinstance(usage, dict):
-        raise _Malformed("sent a usage that is not an object")
-    if isinstance(usage, dict):
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            value = usage.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_USAGE
-            ):
-                if whole:
-                    raise _Malformed(f"sent an impossible usage.{key}")
-                usage[key] = None  # a count we cannot believe is no count
-        _fit_prompt_details(usage)
-    return body
-
-
-def _fit_prompt_details(usage: dict[str, Any]) -> None:
-    """`prompt_tokens_details` is an optional detail: one that cannot be true (not an object, a
-    cached count that is not a count or exceeds the prompt) is dropped, and never costs the answer."""
-    details = usage.get("prompt_tokens_details")
-    if details is None:
-        return
-    if not isinstance(details, dict):
-        usage["prompt_tokens_details"] = None
-        return
-    cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
-    if cached is None:
-        return
-    count = isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached <= MAX_USAGE
-    known_prompt = isinstance(prompt, int) and not isinstance(prompt, bool)
-    if not count or (known_prompt and cached > prompt):
-        details["cached_tokens"] = None
-
-
-def _relayable(data: str, chunk: dict[str, Any]) -> bool:
-    """Whether an event's own text may go to the client as it came: one line, no usage (whose
-    counts `_json_object` may have cut), and no NaN / Infinity (which it turned into null)."""
-    return "usage" not in chunk and "\n" not in data and "NaN" not in data and "Infinity" not in data
-
-
-def _model_ids(listing: Any) -> list[str]:
-    """Model ids an upstream lists, kept only if they could be ours: short printable UTF-8 text.
-    They become routes and metric labels, so an upstream cannot flood or poison either."""
-    data = listing.get("data") if isinstance(listing, dict) else None
-    ids: list[str] = []
-    for m in data if isinstance(data, list) else []:
-        name = m.get("id") if isinstance(m, dict) else None
-        if isinstance(name, str) and 0 < len(name) <= MAX_MODEL_ID and name.isprintable():
-            try:
-                name.encode("utf-8")
-            except UnicodeEncodeError:
-                continue
-            ids.append(name)
-        if len(ids) >= MAX_MODELS:
-            break
-    return ids
-
-
-def _text(value: Any) -> str:
-    return str(value)[:MAX_MESSAGE]
-
-
-async def _sse_data(response: UpstreamResponse, max_line: int) -> AsyncIterator[str]:
-    """The `data:` payloads of a server-sent event stream (multi-line data joined with newlines).
-
-    Lines are split here, not by the HTTP client, so that no line (and no event) may exceed `max_line` bytes,
-    and bytes that are not UTF-8 are a protocol error rather than a crash."""
-    pending = b""
-    lines: list[str] = []
-    size = 0
-    async for part in _decoded(response):
-        pending += part
-        *complete, pending = pending.split(b"\n")
-        for raw in complete:
-            try:
-                line = raw.rstrip(b"\r").decode("utf-8")
-            except UnicodeDecodeError:
-                raise _Malformed("sent an event stream that is not UTF-8") from None
-            if not line:
-                if lines:
-                    yield "\n".join(lines)
-                    lines, size = [], 0
-            elif line.startswith("data:"):
-                size += len(line)
-                if size > max_line:
-                    raise _Malformed(f"sent an event over {max_line} bytes")
-                lines.append(line[5:].lstrip(" "))
-        if len(pending) > max_line:
-            raise _Malformed(f"sent an event line over {max_line} bytes")
-    if pending.strip():
-        try:
-            line = pending.rstrip(b"\r").decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Malformed("sent an event stream that is not UTF-8") from None
-        if line.startswith("data:"):
-            lines.append(line[5:].lstrip(" "))
-    if lines:
-        yield "\n".join(lines)
-
-
-async def _error_from(response: UpstreamResponse, name: str, limit: int) -> GatewayError:
-    status = response.status_code
-    try:
-        raw = await _read_capped(response, min(limit, 1 << 20))
-    except (_Malformed, TransportError):
-        raw = b""
-    finally:
-        await response.aclose()
-    message, code, param, etype = f"backend {name} answered {status}", None, None, None
-    try:
-        err = json.loads(raw).get("error")
-        if isinstance(err, dict):
-            message = _text(err.get("message") or message)
-            code, param, etype = err.get("code"), err.get("param"), err.get("type")
-        elif isinstance(err, str):
-            message = _text(err)
-    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
-        pass
-    param = param[:200] if isinstance(param, str) else None
-    etype = etype[:64] if isinstance(etype, str) else None
-    retry_after = _retry_after(response.headers.get("retry-after"))
-    retryable = status == 429 or status >= 500
-    return GatewayError(
-        status if 400 <= status <= 599 else 502,
-        message,
-        code=code[:64] if isinstance(code, str) else None,
-        param=param,
-        retryable=retryable,
-        retry_after=retry_after,
-        type=etype,
-    )
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds to wait, from delta-seconds or an HTTP date; None for anything not finite or sane."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        seconds = when.timestamp() - time.time()
-    if not math.isfinite(seconds):
-        return None
-    return min(MAX_RETRY_AFTER, max(0.0, seconds))
