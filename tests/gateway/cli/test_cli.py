@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specgate.gateway.cli.main import build_parser, main, serve_settings
+from specgate.gateway.cli.main import build_parser, main
+from specgate.gateway.cli.serve import serve_settings
 
 
 def test_generate_streams_text_and_reports_stats(

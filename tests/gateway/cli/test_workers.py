@@ -25,7 +25,8 @@ import httpx
 import openai
 import pytest
 
-from specgate.gateway.cli.main import build_parser, main, serve_settings
+from specgate.gateway.cli.main import build_parser, main
+from specgate.gateway.cli.serve import serve_settings
 from specgate.gateway.cli.worker_process import WorkerOptions
 from specgate.gateway.cli.workers import MAX_BACKOFF, STABLE_AFTER, Restarts, WorkerSupervisor
 from tests.gateway.cli.procs import children, cmdline, gone
