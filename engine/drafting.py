@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Set
+from dataclasses import dataclass, field
 
 from specgate.engine import draft_tree
 from specgate.engine.block_manager import BlockManager
@@ -28,28 +29,17 @@ from specgate.engine.stop_rules import sampling_row
 logger = logging.getLogger("specgate.engine")
 
 
+@dataclass(slots=True)
 class Drafter:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        proposer: Callable[[str], Proposer],  # the engine's proposer table
-        fail: Callable[[Sequence, str], None],  # ends one request with an error
-        *,
-        vocab_size: int,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        deterministic: bool,
-        eos_token_ids: Set[int],
-    ) -> None:
-        self.block_manager = block_manager
-        self.proposer = proposer
-        self.fail = fail
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.deterministic = deterministic
-        self.eos_token_ids = eos_token_ids
-        self.cost_model = CostModel()
+    block_manager: BlockManager
+    proposer: Callable[[str], Proposer]  # the engine's proposer table
+    fail: Callable[[Sequence, str], None]  # ends one request with an error
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    deterministic: bool
+    eos_token_ids: Set[int]
+    cost_model: CostModel = field(default_factory=CostModel)  # measured step costs
 
     def propose(self, batch: list[ScheduledSequence]) -> list[Proposal]:
         """Drafts per scheduled sequence (empty for most); KV room is reserved for them."""
