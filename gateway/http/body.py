@@ -22,16 +22,22 @@ from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_NOT_JSON = "the request body is not valid JSON"
+
+
+class _BadNumber(ValueError):
+    """A number JSON's grammar allows (or NaN / Infinity, which it does not) that no float holds."""
 
 
 def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _BadNumber(f"{name} is not a JSON value")
 
 
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999 parses as inf
-        raise ValueError(f"{text} is out of range")
+        shown = text if len(text) <= 32 else f"{text[:16]}...{text[-8:]}"
+        raise _BadNumber(f"the number {shown} is out of range")
     return value
 
 
@@ -57,8 +63,15 @@ def _stdlib_loads(raw: bytes) -> tuple[str, Any]:
         data = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
     except RecursionError:
         raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError):  # JSONDecodeError, bad UTF-8, NaN, integers too long
-        raise invalid("the request body is not valid JSON", code="invalid_json") from None
+    except UnicodeDecodeError as exc:
+        raise invalid(f"{_NOT_JSON}: it is not UTF-8 (byte {exc.start})", code="invalid_json") from None
+    except json.JSONDecodeError as exc:  # says where, never what: no echo of the body
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise invalid(f"{_NOT_JSON}: {exc.msg.lower()} ({where})", code="invalid_json") from None
+    except _BadNumber as exc:
+        raise invalid(f"{_NOT_JSON}: {exc}", code="invalid_json") from None
+    except ValueError:  # Python's limit on the digits of an integer
+        raise invalid(f"{_NOT_JSON}: a number has too many digits", code="invalid_json") from None
     return text, data
 
 
