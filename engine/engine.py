@@ -285,7 +285,9 @@ class Engine:
         for i, (s, d, sampled) in enumerate(zip(step.batch, step.drafts, step.samples, strict=True)):
             if sampled:
                 first = len(rows)
-                rows.extend(self._sampling_row(s.seq, extra) for extra in tree_proposal.histories(d))
+                rows.extend(
+                    sampling_row(s.seq, extra, self.eos_token_ids) for extra in tree_proposal.histories(d)
+                )
                 blocks.append((i, slice(first, len(rows))))
         processed, usable = self._process(step.batch, step.logits, rows, blocks)
         for s in step.batch:
@@ -483,9 +485,6 @@ class Engine:
         num_logits = (1 + len(draft.token_ids)) if s.samples else 0
         # A tree's root is the one real token (a speculating sequence decodes one at a time).
         return ForwardItem(tokens, start, seq.block_table, num_logits, draft.parents)
-
-    def _sampling_row(self, seq: Sequence, extra: Seq[int]) -> SamplingRow:
-        return sampling_row(seq, extra, self.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> None:
         seq.token_ids.append(token)
