@@ -63,6 +63,7 @@ def new_sequence(
     generator: torch.Generator,
     tokenizer: Any,  # None: token ids only, no text
     prefix_salt: str | None,
+    tenant: str = "",
 ) -> Sequence:
     detok = None
     if tokenizer is not None:
@@ -80,4 +81,5 @@ def new_sequence(
         detokenizer=detok,
         spec=SpecState(spec) if spec is not None else None,
         prefix_salt=prefix_salt,
+        tenant=tenant,
     )

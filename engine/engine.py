@@ -163,10 +163,12 @@ class Engine:
         spec: SpecParams | None = None,
         cache_scope: str | None = "",
         prefix_salt: str | None = "",
+        tenant: str = "",
     ) -> None:
         """`cache_scope`: requests share a proposer's cross-request state (the suffix cache) only
         within one scope; None shares nothing. `prefix_salt`: requests reuse each other's cached KV
-        blocks (the prefix cache) only under the same salt; None shares nothing."""
+        blocks (the prefix cache) only under the same salt; None shares nothing. `tenant`: whom
+        the request is for; batch slots are shared fairly between tenants."""
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt = checked_prompt(prompt_token_ids, params, self.runner.vocab_size, self.max_model_len)
@@ -185,6 +187,7 @@ class Engine:
             generator,
             self.tokenizer,
             prefix_salt,
+            tenant,
         )
         if proposer is not None:
             try:

@@ -1,19 +1,30 @@
 """Continuous-batching scheduler: who runs in the next forward pass, and how many tokens each.
 
 Every step, running sequences that are decoding are served first (one token each; speculation
-will ask for more), then running sequences still prefilling, then waiting requests in arrival
-order, all under one token budget so a long prompt is prefilled in chunks instead of stalling
-the decodes. When the KV pool cannot hold a running sequence's next tokens, the most recently
-admitted sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+will ask for more), then running sequences still prefilling, then waiting requests, all under one
+token budget so a long prompt is prefilled in chunks instead of stalling the decodes. When the KV
+pool cannot hold a running sequence's next tokens, the most recently admitted sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Batch slots are shared fairly between tenants (`Sequence.tenant`): a waiting request is admitted
+from the tenant holding the fewest running slots (arrival order within a tenant), and when every
+slot is taken while a tenant with fewer slots waits, the newest sequences of the tenant holding
+the most are preempted until the two differ by at most one (at most `MAX_FAIR_PREEMPTIONS` a
+step). One tenant alone still gets every slot; a second one's request no longer waits for the
+first one's long requests to end.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from specgate.engine.block_manager import BlockManager, blocks_for
 from specgate.engine.sequence import Sequence, SequenceStatus
+
+# Preemptions for fairness per step: each costs the victim's recomputation (its committed blocks
+# stay in the prefix cache), so a burst of new tenants is balanced over a few steps, not in one.
+MAX_FAIR_PREEMPTIONS = 4
 
 
 @dataclass(slots=True)
@@ -55,6 +66,9 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def running_by_tenant(self) -> Counter[str]:
+        return Counter(s.tenant for s in self.running)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)  # its committed blocks stay cached: readmission may hit them
@@ -63,7 +77,52 @@ class Scheduler:
         seq.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _fairest_waiting(self, held: Counter[str]) -> Sequence:
+        """The first waiting sequence of the tenant holding the fewest running slots (`held`; ties:
+        the tenant whose request has waited longest)."""
+        best = self.waiting[0]
+        best_load, seen = held[best.tenant], {best.tenant}
+        for seq in self.waiting:
+            if best_load == 0:
+                break
+            if seq.tenant in seen:
+                continue
+            seen.add(seq.tenant)
+            if held[seq.tenant] < best_load:
+                best, best_load = seq, held[seq.tenant]
+        return best
+
+    def _rebalance(self) -> None:
+        """With every slot taken, preempt the newest sequences of the tenant holding the most slots
+        while a tenant holding at least two fewer has a request waiting."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        held = self.running_by_tenant()
+        waiting = Counter(s.tenant for s in self.waiting)
+        planned: Counter[str] = Counter()  # slots freed here, promised to the tenants waiting
+        free, preemptions = 0, 0
+        while True:
+            wanting = [t for t in waiting if waiting[t] > planned[t]]
+            if not wanting:
+                return
+            poor = min(wanting, key=lambda t: held[t] + planned[t])
+            if free:
+                planned[poor] += 1
+                free -= 1
+                continue
+            rich = max(held, key=lambda t: held[t] + planned[t], default=None)
+            if rich is None or held[rich] + planned[rich] <= held[poor] + planned[poor] + 1:
+                return
+            if preemptions == MAX_FAIR_PREEMPTIONS:
+                return
+            self._preempt(next(s for s in reversed(self.running) if s.tenant == rich))
+            held[rich] -= 1
+            preemptions += 1
+            waiting[rich] += 1
+            free += 1
+
     def schedule(self) -> list[ScheduledSequence]:
+        self._rebalance()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         # Decoding sequences first, then those part-way through their prompt.
@@ -89,8 +148,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         self.hits = []
         bm = self.block_manager
+        held = self.running_by_tenant() if self.waiting else Counter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._fairest_waiting(held)
             hits = bm.match(seq)
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
             n = min(seq.num_tokens - computed, budget)
@@ -98,8 +158,8 @@ class Scheduler:
             # Hit blocks that no sequence holds leave the free pool too.
             need = blocks_for(computed + n, bm.block_size) - len(seq.block_table) - len(hits)
             if need + bm.num_reclaimed(hits) + reserve > bm.num_free_blocks:
-                break  # first come, first served: later arrivals do not overtake a blocked one
-            self.waiting.popleft()
+                break  # the fairest request is blocked: nobody overtakes it
+            self.waiting.remove(seq)
             bm.acquire(seq, hits)
             if hits:
                 self.hits.append(seq)
@@ -108,6 +168,7 @@ class Scheduler:
             bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            held[seq.tenant] += 1
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         return scheduled

@@ -32,6 +32,9 @@ class Sequence:
     spec: SpecState | None = None  # None: this request never speculates
     # Prefix-cache salt: KV blocks are shared only between requests with the same salt; None: none.
     prefix_salt: str | None = ""
+    # Who the request is for (an API key's id, a client address): batch slots are shared fairly
+    # between tenants (scheduler.py). "" is one tenant like any other.
+    tenant: str = ""
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose keys and values are in the KV cache; the rest are scheduled in later steps.
     num_computed_tokens: int = 0

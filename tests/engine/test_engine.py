@@ -234,3 +234,32 @@ def test_half_precision_engines_track_float32_logits(make_engine: Callable[..., 
     assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
     half.add_request("h", prompt, SamplingParams(max_tokens=6, **GREEDY))
     assert len(tokens(run_to_completion(half)["h"])) == 6
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_fair_preemption_between_tenants_never_changes_greedy_output(
+    method: str | None, make_engine: Callable[..., Engine], tiny_llama_dir: Path, tiny_draft_dir: Path
+) -> None:
+    from specgate.engine.spec_decode.params import SpecParams
+
+    options = {"draft_model": {"model": str(tiny_draft_dir)}} if method == "draft_model" else {}
+    engine = make_engine(max_num_seqs=3, proposer_options=options)
+    spec = SpecParams(method=method, controller="static", num_speculative_tokens=3) if method else None
+    ps = prompts([6, 9, 5, 7, 8], seed=3)
+    for i in range(4):  # the hog takes every slot and has one waiting
+        engine.add_request(f"hog{i}", ps[i], SamplingParams(max_tokens=20, **GREEDY), spec, tenant="hog")
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(3):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    engine.add_request("victim", ps[4], SamplingParams(max_tokens=20, **GREEDY), spec, tenant="victim")
+    first = engine.step()
+    for o in first:
+        outs.setdefault(o.request_id, []).append(o)
+    assert "victim" in {o.request_id for o in first}  # admitted at once, a hog request preempted
+    for rid, o in run_to_completion(engine).items():
+        outs.setdefault(rid, []).extend(o)
+    assert sum(o[-1].stats.num_preemptions for o in outs.values()) >= 1
+    for i, rid in enumerate(["hog0", "hog1", "hog2", "hog3", "victim"]):
+        assert tokens(outs[rid]) == hf_greedy(tiny_llama_dir, ps[i], 20), f"{rid} diverged"
+    assert engine.block_manager.num_used_blocks == 0
