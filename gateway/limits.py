@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -125,3 +125,46 @@ class RefusalBudget:
 
     def charge(self, addr: str) -> None:
         self.limiter.take(addr)
+
+
+class Concurrency(Protocol):
+    """Requests in flight per key: `acquire` counts one if the key is under `limit` (0: no cap) and
+    says whether it did; `release` gives one back."""
+
+    def acquire(self, key: str, limit: int) -> bool: ...
+
+    def release(self, key: str) -> None: ...
+
+    def count(self, key: str) -> int: ...
+
+
+@dataclass(slots=True)
+class ConcurrencyLimiter:
+    """In-flight counts per key in this process (a key's entry goes once its count is back to 0)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def acquire(self, key: str, limit: int) -> bool:
+        if limit > 0 and self.counts[key] >= limit:
+            return False
+        self.counts[key] += 1
+        return True
+
+    def release(self, key: str) -> None:
+        left = self.counts[key] - 1
+        if left > 0:
+            self.counts[key] = left
+        else:
+            self.counts.pop(key, None)
+
+    def count(self, key: str) -> int:
+        return self.counts[key]
+
+
+def too_many_in_flight(what: str, limit: int, retry_after: float = 1.0) -> GatewayError:
+    return GatewayError(
+        429,
+        f"Too many {what} at once for this key (the limit is {limit}); wait for one to finish.",
+        code="concurrency_limit_exceeded",
+        retry_after=retry_after,
+    )

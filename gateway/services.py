@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -13,15 +14,18 @@ from typing import Any
 
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.backends.upstream_client import UpstreamClient
-from specgate.gateway.limits import Limiter, RateLimiter, RefusalBudget
+from specgate.gateway.keyring import KeyIds, gateway_secret
+from specgate.gateway.limits import Concurrency, ConcurrencyLimiter, Limiter, RateLimiter, RefusalBudget
 from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.routing.static import Router, StaticRouter
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_limits import attached
+from specgate.gateway.shared_buckets import SharedRateLimiter
+from specgate.gateway.shared_limits import SharedTables, attached
 from specgate.gateway.telemetry.metrics import Metrics
 from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
 from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord, settle
+from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
@@ -30,6 +34,23 @@ from specgate.policies.load import BackendLoad, LoadSignals
 logger = logging.getLogger("specgate.gateway")
 
 ReadinessCheck = Callable[[], Awaitable[tuple[bool, str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """What one tenant (an API key, or a client address in open mode) may hold at once; 0: no cap."""
+
+    max_in_flight: int
+    max_streams: int
+    rate_limit_rpm: int
+
+    def __post_init__(self) -> None:
+        if min(self.max_in_flight, self.max_streams, self.rate_limit_rpm) < 0:
+            raise ValueError("tenant limits must not be negative")
+
+
+def secret_path(settings: Settings) -> Path:
+    return Path(settings.secret_file) if settings.secret_file else default_data_dir() / "gateway.secret"
 
 
 @dataclass
@@ -50,6 +71,15 @@ class Services:
     created: int = field(default_factory=lambda: int(time.time()))
     api_keys: list[str] = field(default_factory=list)  # the accepted /v1 keys, read once
     worker: WorkerContext | None = None  # set in a worker of `serve --workers N`: what it shares
+    # Fingerprints of API keys (`build` keys them with the gateway's secret file; by default a
+    # secret of this process alone).
+    key_ids: KeyIds = field(default_factory=lambda: KeyIds(secrets.token_bytes(32)))
+    in_flight: Concurrency = field(default_factory=ConcurrencyLimiter)  # per tenant: requests, streams
+    # Limits of the keys that have their own, by key id; everyone else has `default_limits`.
+    key_limits: dict[str, TenantLimits] = field(default_factory=dict)
+    default_limits: TenantLimits = TenantLimits(0, 0, 0)
+    shared: SharedTables | None = None
+    _limiters: dict[int, Limiter] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -76,6 +106,25 @@ class Services:
             router = PolicyRouter(settings, registry, classifier, policy)
         else:
             router = StaticRouter(settings, registry)
+        key_ids = KeyIds(gateway_secret(secret_path(settings)))
+        in_flight: Concurrency = ConcurrencyLimiter()
+        if shared is not None and worker is not None:
+            counters = shared.in_flight(worker.index, worker.workers)
+            # A new generation of this worker's counts: what a dead predecessor in its slot held
+            # stops counting.
+            counters.bump(worker.index)
+            in_flight = counters
+        defaults = TenantLimits(
+            settings.max_in_flight_per_key, settings.max_streams_per_key, settings.rate_limit_rpm
+        )
+        key_limits = {
+            key_ids.of(k.key.get_secret_value()): TenantLimits(
+                defaults.max_in_flight if k.max_in_flight is None else k.max_in_flight,
+                defaults.max_streams if k.max_streams is None else k.max_streams,
+                defaults.rate_limit_rpm if k.rate_limit_rpm is None else k.rate_limit_rpm,
+            )
+            for k in settings.api_keys
+        }
         services = cls(
             settings=settings,
             client=client,
@@ -88,8 +137,13 @@ class Services:
             refusals=RefusalBudget(shared.refusals if shared else RateLimiter(settings.refused_rpm)),
             policy=policy,
             extra_sinks=[sink] if sink is not None else [],
-            api_keys=[k.get_secret_value() for k in settings.api_keys],
+            api_keys=[k.key.get_secret_value() for k in settings.api_keys],
             worker=worker,
+            key_ids=key_ids,
+            in_flight=in_flight,
+            key_limits=key_limits,
+            default_limits=defaults,
+            shared=shared,
         )
         services.metrics.models = registry.models
         if store is not None:
@@ -130,6 +184,24 @@ class Services:
                 sink.submit(record)
             except Exception:
                 logger.exception("record sink %s refused request %s", type(sink).__name__, record.request_id)
+
+    def tenant_limits(self, key_id: str | None) -> TenantLimits:
+        """The limits of a key (by its id; None: a client address in open mode)."""
+        return self.key_limits.get(key_id, self.default_limits) if key_id else self.default_limits
+
+    def limiter_for(self, rpm: int) -> Limiter:
+        """The rate limiter of keys allowed `rpm` requests a minute (the gateway-wide one for the
+        default rate): one set of buckets, in shared memory with several workers."""
+        if rpm == self.settings.rate_limit_rpm:
+            return self.limiter
+        limiter = self._limiters.get(rpm)
+        if limiter is None:
+            if self.shared is not None:
+                limiter = SharedRateLimiter(self.shared.tables["api"], rpm)
+            else:
+                limiter = RateLimiter(rpm)
+            self._limiters[rpm] = limiter
+        return limiter
 
     async def start(self) -> None:
         if self.store is not None:

@@ -20,6 +20,8 @@ from specgate.engine.spec_decode.params import SpecParams
 if TYPE_CHECKING:
     from specgate.engine.config import EngineConfig
 
+MIN_ADMIN_KEY_CHARS = 16
+
 
 class EmbeddedSettings(BaseModel):
     """The in-process engine. `model` None serves the embedded default (SmolLM2-135M-Instruct)."""
@@ -206,6 +208,44 @@ class PolicySettings(BaseModel):
     sync_interval: float = Field(2.0, gt=0.0)
 
 
+class ApiKey(BaseModel):
+    """An accepted /v1 key and, optionally, limits of its own (else the gateway-wide ones)."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: SecretStr
+    # Requests of this key in flight at once (streams included); 0: no cap.
+    max_in_flight: int | None = Field(None, ge=0, le=1_000_000)
+    # Of those, streams open at once (each holds a connection for as long as it runs); 0: no cap.
+    max_streams: int | None = Field(None, ge=0, le=1_000_000)
+    rate_limit_rpm: int | None = Field(None, ge=0)
+
+    @field_validator("key")
+    @classmethod
+    def _sane(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value()
+        if not raw or raw != raw.strip() or any(ord(c) < 0x21 or ord(c) == 0x7F for c in raw):
+            raise ValueError("an API key must be non-empty printable text without spaces")
+        return value
+
+
+class ConnectionSettings(BaseModel):
+    """What one client connection may cost a worker process (gateway/http/connections.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Seconds from a connection's first byte (or its opening) to the end of its request head;
+    # beyond: 408 and the connection is closed. Keep-alive idling is `keep_alive_timeout`.
+    head_timeout: float = Field(10.0, gt=0, le=3600)
+    # Seconds a body read may wait for the next bytes, and the whole body may take (408 beyond).
+    body_read_timeout: float = Field(15.0, gt=0, le=3600)
+    body_timeout: float = Field(60.0, gt=0, le=86400)
+    # Open connections per worker process (None: what its file-descriptor limit allows, less a
+    # reserve for the process itself) and per client address (trusted proxies are exempt). At a
+    # cap, the oldest connection of that scope that is idle or still sending its head is closed
+    # for the new one; when every one is busy with a request, the new one is closed instead.
+    max_connections: int | None = Field(None, ge=16, le=1_000_000)
+    max_per_address: int = Field(512, ge=1, le=1_000_000)
+
+
 class UISettings(BaseModel):
     """The operator dashboard at /admin/ui (needs `admin_key`; signed in by a session cookie)."""
 
@@ -230,8 +270,12 @@ class Settings(BaseSettings):
     # `specgate serve`: gateway processes sharing the port, one engine core, one /metrics view
     # (gateway/cli/workers.py). 1: one process, as before.
     workers: int = Field(1, ge=1, le=64)
-    api_keys: list[SecretStr] = Field(default_factory=list)  # empty: /v1 is open
-    admin_key: SecretStr | None = None  # None: /admin is closed
+    # Accepted /v1 keys: strings, or tables with limits of their own (ApiKey); empty: /v1 is open.
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    # More keys, one per line ("#" starts a comment): keeps them out of the config and of `ps`.
+    api_keys_file: str | None = None
+    admin_key: SecretStr | None = None  # None: /admin is closed; at least MIN_ADMIN_KEY_CHARS
+    admin_key_file: str | None = None  # the admin key from a file (its first line)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     # Seconds an idle client connection stays open. A request a client sends just as the server
     # closes an idle connection is never read (the client sees a reset and should retry), so this
@@ -239,6 +283,17 @@ class Settings(BaseSettings):
     keep_alive_timeout: int = Field(75, ge=1)
     # Request rate per API key (per client address in open mode), requests per minute; 0: no limit.
     rate_limit_rpm: int = Field(0, ge=0)
+    # Requests in flight, and streams open, per API key (per client address in open mode); 0: no
+    # cap. Beyond them: 429 with Retry-After. An ApiKey may set its own.
+    max_in_flight_per_key: int = Field(256, ge=0, le=1_000_000)
+    max_streams_per_key: int = Field(128, ge=0, le=1_000_000)
+    connections: ConnectionSettings = Field(default_factory=ConnectionSettings)
+    # The file holding the gateway's secret (the key of the API-key fingerprints in telemetry):
+    # made once, mode 0600. Default: `gateway.secret` in the data directory. Replicas that share
+    # one database should share this file too, so that one key has one fingerprint.
+    secret_file: str | None = None
+    # /docs and /openapi.json (the API's own schema); off unless asked for.
+    docs: bool = False
     # Refused requests (401 bad key, 413 body too large) per client address and minute; beyond
     # it (bursts of a sixth) the address gets 429 for everything until its budget refills. 0: no limit.
     refused_rpm: int = Field(300, ge=0)
@@ -266,6 +321,34 @@ class Settings(BaseSettings):
         # Environment variables override the config file, which arrives as init arguments.
         return env_settings, init_settings
 
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _key_strings(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"key": v} if isinstance(v, (str, SecretStr)) else v for v in value]
+        return value
+
+    @model_validator(mode="after")
+    def _key_files(self) -> Settings:
+        if self.api_keys_file:
+            known = {k.key.get_secret_value() for k in self.api_keys}
+            for key in read_key_file(self.api_keys_file):
+                if key not in known:
+                    known.add(key)
+                    self.api_keys.append(ApiKey(key=SecretStr(key)))
+            self.api_keys_file = None  # read: a copy of these settings must not add them twice
+        if self.admin_key_file:
+            keys = read_key_file(self.admin_key_file)
+            if len(keys) != 1:
+                raise ValueError(f"admin_key_file {self.admin_key_file} must hold exactly one key")
+            self.admin_key, self.admin_key_file = SecretStr(keys[0]), None
+        if self.admin_key is not None and len(self.admin_key.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(
+                f"admin_key must be at least {MIN_ADMIN_KEY_CHARS} characters (a short one can be "
+                "guessed); e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return self
+
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
@@ -292,6 +375,16 @@ class Settings(BaseSettings):
         data = read_config_file(config_file) if config_file else {}
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
+
+
+def read_key_file(path: str | Path) -> list[str]:
+    """The keys of a key file: one per line; blank lines and "#" comments are skipped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the key file {path}: {exc}") from None
+    keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return [k for k in keys if k]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

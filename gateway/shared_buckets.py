@@ -110,3 +110,83 @@ class SharedRevocations:
             return s >= 0 and t.values[2 * s + 1] > now
         finally:
             t.release()
+
+
+class SharedCounters:
+    """In-flight counts per key that every worker of a gateway sees (a `Concurrency`).
+
+    Each worker counts in entries of its own, (key, worker index, generation), and a key's count is
+    the sum of every worker's current entry: a worker that dies holding requests would otherwise
+    leave them counted forever. A worker's generation is bumped when it starts (and by the
+    supervisor when it dies), so what the dead one held stops counting; its stale entries age out
+    of the table like any least recently updated slot."""
+
+    __slots__ = ("_gen_hashes", "index", "table", "workers")
+
+    def __init__(self, table: Table, index: int, workers: int) -> None:
+        if not 0 <= index < workers:
+            raise ValueError(f"worker index {index} out of range for {workers} workers")
+        self.table, self.index, self.workers = table, index, workers
+        self._gen_hashes = [table.key_hash(f"\x00generation\x00{j}") for j in range(workers)]
+
+    def bump(self, index: int) -> None:
+        """Start a new generation for worker `index`: whatever its earlier one counted is dropped."""
+        t, h = self.table, self._gen_hashes[index]
+        t.acquire()
+        try:
+            s, _ = t.claim(h, 0.0, float("inf"))  # never the one evicted
+            t.values[2 * s] += 1.0
+        finally:
+            t.release()
+
+    def _entry(self, key: str, j: int, generation: float) -> int:
+        return self.table.key_hash(f"{key}\x00{j}\x00{int(generation)}")
+
+    def _generation(self, j: int) -> float:
+        s = self.table.find(self._gen_hashes[j])
+        return self.table.values[2 * s] if s >= 0 else 0.0
+
+    def _total(self, key: str) -> tuple[int, int]:
+        """(the key's count over every worker, the slot of this worker's entry or -1). Hold the lock."""
+        t, values, total, mine = self.table, self.table.values, 0, -1
+        for j in range(self.workers):
+            s = t.find(self._entry(key, j, self._generation(j)))
+            if s >= 0:
+                total += max(0, int(values[2 * s]))
+                if j == self.index:
+                    mine = s
+        return total, mine
+
+    def acquire(self, key: str, limit: int) -> bool:
+        t = self.table
+        t.acquire()
+        try:
+            total, mine = self._total(key)
+            if limit > 0 and total >= limit:
+                return False
+            if mine < 0:
+                mine, _ = t.claim(self._entry(key, self.index, self._generation(self.index)), 0.0, 0.0)
+            t.values[2 * mine] += 1.0
+            t.values[2 * mine + 1] = time.monotonic()
+            return True
+        finally:
+            t.release()
+
+    def release(self, key: str) -> None:
+        t = self.table
+        t.acquire()
+        try:
+            s = t.find(self._entry(key, self.index, self._generation(self.index)))
+            if s >= 0:
+                t.values[2 * s] = max(0.0, t.values[2 * s] - 1.0)
+                t.values[2 * s + 1] = time.monotonic()
+        finally:
+            t.release()
+
+    def count(self, key: str) -> int:
+        t = self.table
+        t.acquire()
+        try:
+            return self._total(key)[0]
+        finally:
+            t.release()

@@ -8,7 +8,8 @@ attaches it by name (`handle.attach()`, once per process) and gets `SharedTables
 - `api`: the /v1 rate limit (per key, or per client address in open mode), a `Limiter`;
 - `refusals`: the refusal budget's buckets (401 / 413 answers per client address), a `Limiter`;
 - `signins`: failed dashboard sign-ins per client address (`SharedSignInGuard` uses it);
-- `revoked`: signed-out dashboard sessions until they expire (`SessionSigner` uses it).
+- `revoked`: signed-out dashboard sessions until they expire (`SessionSigner` uses it);
+- `inflight`: requests and streams in flight per key (`in_flight(index, workers)`, SharedCounters).
 
 The tables themselves (hashing, probing, eviction) are shared_table.py. Every read and write holds
 one process-shared lock, a POSIX semaphore: no system call unless another process holds it.
@@ -24,7 +25,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_buckets import SharedRateLimiter, SharedRevocations
+from specgate.gateway.shared_buckets import SharedCounters, SharedRateLimiter, SharedRevocations
 from specgate.gateway.shared_table import TABLES, Table, TableSpec, layout
 
 
@@ -37,6 +38,10 @@ class SharedTables:
     signins: SharedRateLimiter  # max_failed_signins per signin_lockout, bursts of max_failed_signins
     revoked: SharedRevocations
     tables: dict[str, Table] = field(repr=False)
+
+    def in_flight(self, index: int, workers: int) -> SharedCounters:
+        """Worker `index`'s view of the in-flight counts (it calls `bump(index)` once, at start)."""
+        return SharedCounters(self.tables["inflight"], index, workers)
 
     def release(self) -> None:
         for table in self.tables.values():

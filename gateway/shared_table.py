@@ -31,7 +31,7 @@ PROBE = 8
 STALE_LOCK = 1.0  # seconds; the critical sections take microseconds
 
 logger = logging.getLogger("specgate.gateway")
-TABLES = ("api", "refusals", "signins", "revoked")
+TABLES = ("api", "refusals", "signins", "revoked", "inflight")
 
 
 @dataclass(frozen=True, slots=True)

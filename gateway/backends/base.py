@@ -53,6 +53,10 @@ class BackendCall:
     # Whose cached prompt blocks (the prefix cache) this call may reuse: the tenant's scope, salted
     # further by the client's `cache_salt`; None for nobody's.
     prefix_salt: str | None = None
+    # Whom the call is for (an API key's id, or a client address in open mode): the embedded
+    # engine shares its batch slots and queue fairly between tenants.
+    tenant: str = ""
+    body_bytes: int = 0  # the size of the request body as sent: what tokenizing it may cost
 
     @property
     def stream(self) -> bool:

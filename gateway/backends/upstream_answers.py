@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import email.utils
 import json
+import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,10 +25,37 @@ from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 
 MAX_RETRY_AFTER = 3600.0
-MAX_MESSAGE = 1000  # an upstream's error message is cut here
+MAX_MESSAGE = 1000  # an upstream's error message is cut here (for the log)
+MAX_CLIENT_MESSAGE = 300  # what of it a client may see (a 4xx: what was wrong with the request)
+MAX_SERVER_MESSAGE = 120  # of a 5xx: a short reason ("overloaded"), never a dump
+_WORD = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_PARAM = re.compile(r"^[A-Za-z0-9_.\[\]\-]{1,200}$")
+# What an upstream's insides look like: tracebacks, exception names, source paths, memory addresses,
+# network addresses and internal host names.
+_INTERNAL = re.compile(
+    r"Traceback|File \"|\b\w+(?:Error|Exception)\b:|\b0x[0-9a-f]{6,}"
+    r"|(?:^|[\s'\"(=])/(?:home|usr|opt|var|root|tmp|srv|app|mnt)/"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b|\.(?:internal|local|lan|cluster)\b|\bpid \d+",
+    re.I,
+)
 MAX_USAGE = 2**31 - 1
 MAX_MODEL_ID = 256
 MAX_MODELS = 1024  # model ids taken from one upstream's listing
+
+
+logger = logging.getLogger("specgate.upstream")
+
+
+def client_message(status: int, message: str, name: str) -> str:
+    """What of an upstream's error message a client is shown: its first line, printable and cut
+    short (a 4xx says what was wrong with the request, which the client needs; a 5xx may give a
+    short reason). A message that looks like the upstream's insides (a traceback, an exception, a
+    path, an address or host) is replaced by a plain statement; the log keeps the original."""
+    line = "".join(c for c in message.split("\n", 1)[0] if c.isprintable()).strip()
+    plain = f"backend {name} answered {status}"
+    if not line or _INTERNAL.search(line) or (status >= 500 and len(line) > MAX_SERVER_MESSAGE):
+        return plain
+    return line if len(line) <= MAX_CLIENT_MESSAGE else line[: MAX_CLIENT_MESSAGE - 3] + "..."
 
 
 class Malformed(Exception):
@@ -191,14 +220,17 @@ async def error_from(response: UpstreamResponse, name: str, limit: int) -> Gatew
             message = short_message(err)
     except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
         pass
-    param = param[:200] if isinstance(param, str) else None
-    etype = etype[:64] if isinstance(etype, str) else None
+    param = param if isinstance(param, str) and _PARAM.match(param) else None
+    etype = etype if isinstance(etype, str) and _WORD.match(etype) else None
     retry_after = retry_after_seconds(response.headers.get("retry-after"))
     retryable = status == 429 or status >= 500
+    shown = client_message(status, message, name)
+    if shown != message:
+        logger.warning("backend %s answered %d: %s", name, status, message)
     return GatewayError(
         status if 400 <= status <= 599 else 502,
-        message,
-        code=code[:64] if isinstance(code, str) else None,
+        shown,
+        code=code if isinstance(code, str) and _WORD.match(code) else None,
         param=param,
         retryable=retryable,
         retry_after=retry_after,

@@ -28,6 +28,12 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench_exhaustion(args: argparse.Namespace) -> int:
+    from specgate.bench.bench_exhaustion import run
+
+    return run(args)
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from specgate.gateway.telemetry import schema
 
@@ -67,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_bench_soak)
+    exhaustion = bench.add_parser(
+        "exhaustion", help="a victim tenant streams while other clients try to exhaust the gateway"
+    )
+    from specgate.bench.bench_exhaustion import add_arguments as add_exhaustion_arguments
+
+    add_exhaustion_arguments(exhaustion)
+    exhaustion.set_defaults(func=cmd_bench_exhaustion)
 
     db = sub.add_parser("db", help="telemetry database schema (Alembic)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING, Any
 
 from specgate.gateway.cli.common import add_weight_args, quiet_transformers
@@ -10,6 +11,8 @@ from specgate.gateway.settings import default_cache_dir
 
 if TYPE_CHECKING:
     from specgate.gateway.settings import Settings
+
+logger = logging.getLogger("specgate.serve")
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -66,7 +69,14 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         help="gateway processes sharing the port and one engine core (default 1, or SPECGATE_WORKERS)",
     )
-    serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key (repeatable; visible to anyone who can list processes: prefer "
+        "--api-key-file or SPECGATE_API_KEYS)",
+    )
+    serve.add_argument("--api-key-file", default=None, help="accepted API keys, one per line")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -98,10 +108,16 @@ def serve_settings(args: argparse.Namespace) -> Settings:
         embedded["engine_process"] = True  # serving: the engine in its own process unless configured
     if embedded:
         settings.embedded = settings.embedded.model_copy(update=embedded)
-    if args.api_key:
-        from pydantic import SecretStr
+    if args.api_key or args.api_key_file:
+        from specgate.gateway.settings import ApiKey, read_key_file
 
-        settings.api_keys = [SecretStr(k) for k in args.api_key]
+        if args.api_key:
+            logger.warning(
+                "--api-key puts the key on the command line, where `ps` shows it to every local user; "
+                "use --api-key-file or SPECGATE_API_KEYS instead"
+            )
+        keys = [*args.api_key, *(read_key_file(args.api_key_file) if args.api_key_file else [])]
+        settings.api_keys = [ApiKey.model_validate({"key": k}) for k in dict.fromkeys(keys)]
     return settings
 
 
@@ -123,18 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from specgate.gateway.cli.workers import serve_workers
 
         return serve_workers(settings, WorkerOptions(default_cache_dir(), verbose=args.verbose))
+    from specgate.gateway.http.connections import uvicorn_options
+
     app = create_app(settings, cache_dir=default_cache_dir())
     uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="info" if args.verbose else "warning",
-        access_log=args.verbose,
-        timeout_graceful_shutdown=10,
-        timeout_keep_alive=settings.keep_alive_timeout,
-        # X-Forwarded-For is the gateway's to judge (settings.trusted_proxies): uvicorn would trust
-        # it from any loopback peer, letting a local client pose as any address.
-        proxy_headers=False,
+        app, host=settings.host, port=settings.port, **uvicorn_options(settings, verbose=args.verbose)
     )
     return 0
 

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from specgate.gateway.proc_title import name_process
 from specgate.gateway.settings import Settings
 from specgate.gateway.worker_context import WorkerContext
 
@@ -46,25 +47,21 @@ def run_worker(
     lifeline: Connection,
 ) -> None:
     """The worker's entry point (a spawned process)."""
+    name_process(f"specgate-w{ctx.index}")
     level = logging.INFO if options.verbose else logging.WARNING
     logging.basicConfig(level=level, format=f"%(asctime)s %(name)s[worker {ctx.index}] %(message)s")
     import transformers
     import uvicorn
 
     from specgate.gateway.http.app import create_app
+    from specgate.gateway.http.connections import uvicorn_options
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     threading.Thread(target=_follow, args=(lifeline,), name="specgate-lifeline", daemon=True).start()
     config = uvicorn.Config(
         create_app(settings, cache_dir=options.cache_dir, worker=ctx),
-        log_level="info" if options.verbose else "warning",
-        access_log=options.verbose,
-        timeout_graceful_shutdown=options.graceful_timeout,
-        timeout_keep_alive=settings.keep_alive_timeout,
-        # X-Forwarded-For is the gateway's to judge (settings.trusted_proxies): uvicorn would trust
-        # it from any loopback peer, letting a local client pose as any address.
-        proxy_headers=False,
+        **uvicorn_options(settings, verbose=options.verbose, graceful_timeout=options.graceful_timeout),
     )
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -33,6 +33,7 @@ from specgate.gateway.backends.embedded.shared_core import SharedCore
 from specgate.gateway.cli.shared import start_shared
 from specgate.gateway.cli.worker_process import WorkerOptions, run_worker
 from specgate.gateway.settings import Settings
+from specgate.gateway.shared_limits import SharedLimits
 from specgate.gateway.telemetry.multiproc import MULTIPROC_ENV, forget_process
 from specgate.gateway.worker_context import WorkerContext
 
@@ -124,7 +125,7 @@ class WorkerSupervisor:
                 self._start_worker(slot, args[slot.index])
             port = http.getsockname()[1]
             logger.info("serving on http://%s:%d with %d workers (pid %d)", s.host, port, n, os.getpid())
-            self._watch(args, metrics_dir)
+            self._watch(args, metrics_dir, limits)
         finally:
             self._stop_workers(metrics_dir)
             if self._core is not None:
@@ -148,7 +149,7 @@ class WorkerSupervisor:
         self._core.start()
         self._core_restarts.start(time.monotonic())
 
-    def _watch(self, args: dict[int, tuple[Any, ...]], metrics_dir: str) -> None:
+    def _watch(self, args: dict[int, tuple[Any, ...]], metrics_dir: str, limits: SharedLimits) -> None:
         while not self._stopping:
             sentinels = [s.process.sentinel for s in self._slots if s.process is not None]
             core = self._core
@@ -167,6 +168,8 @@ class WorkerSupervisor:
                         "worker %d (pid %s) %s; restarting it in %.1f s", slot.index, p.pid, why, wait_s
                     )
                     forget_process(p.pid or 0, metrics_dir)
+                    # What it held in flight stops counting against its tenants' caps at once.
+                    limits.attach().in_flight(slot.index, len(self._slots)).bump(slot.index)
                     slot.process = None
                 if slot.process is None and now >= slot.restarts.due:
                     self._start_worker(slot, args[slot.index])
@@ -209,8 +212,15 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def bind_unix(path: str) -> socket.socket:
+    """The engine core's socket, readable and writable by this user only (the core also checks
+    each peer's uid: hub.py)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
+    old = os.umask(0o177)  # no moment at which the socket exists with looser modes
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
     sock.listen(128)  # every worker's connection waits here while a core (re)starts
     return sock
 

@@ -26,7 +26,7 @@ from specgate.gateway.http.routes import (
     inference,
     models,
 )
-from specgate.gateway.http.ui.dashboard_auth import DashboardAuth
+from specgate.gateway.http.ui.dashboard_auth import DashboardAuth, admin_guard
 from specgate.gateway.http.worker_header import WorkerHeader
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
 from specgate.gateway.protocol.dashboard_schemas import SignIn
@@ -34,6 +34,7 @@ from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionR
 from specgate.gateway.services import Services
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.records import RecordSink
+from specgate.gateway.telemetry.revocations import SessionRevocations
 from specgate.gateway.worker_context import WorkerContext
 
 logger = logging.getLogger("specgate.gateway")
@@ -53,6 +54,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.build(settings, cache_dir, sink, worker)
         app.state.services = services
+        dashboard: DashboardAuth | None = app.state.dashboard
+        if dashboard is not None and services.store is not None:
+            dashboard.revocations = SessionRevocations(services.store.engine)
+        elif dashboard is not None:
+            logger.warning("telemetry is off: dashboard sign-outs last only while this gateway runs")
         await services.start()
         # What start-up built lives as long as the process: out of the collector's way, so a full
         # collection scans only what requests allocate (tens of ms less at the p99 of a proxy).
@@ -63,31 +69,40 @@ def create_app(
         finally:
             await services.close()
 
+    # The API's own schema and its pages only where the operator wants them shown (`docs`).
+    docs = {} if settings.docs else {"openapi_url": None, "docs_url": None}
     app = GatewayApp(
         title="specgate",
         version="0.1.0",
         lifespan=lifespan,
         redoc_url=None,
         default_response_class=SafeJSONResponse,
+        **docs,
     )
     install_error_handlers(app)
-    # The dashboard's session signer and sign-in guard (None without an admin key).
-    app.state.dashboard = DashboardAuth.build(settings, worker.shared_limits if worker is not None else None)
+    shared = worker.shared_limits if worker is not None else None
+    # Wrong admin keys per address, counted once for the sign-in form and the bearer admin path.
+    app.state.admin_guard = admin_guard(settings, shared)
+    # The dashboard's session signer (None without an admin key).
+    app.state.dashboard = DashboardAuth.build(settings, app.state.admin_guard, shared)
     # admin_policy_diff before admin_policy: /admin/policy/diff is a path of its own.
     routers = (models, health, admin_policy_diff, admin_policy, admin_ops, admin_timeseries)
     for module in (*routers, admin_ui_session, admin_ui):
         app.include_router(module.router)
     raw = {op.path: openapi.operation(op.summary, op.operation_id, op.model) for op in inference.OPERATIONS}
     openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn], raw)
-    limit, proxies = settings.max_body_bytes, settings.trusted_proxies
-    app.add_middleware(GatewayMiddleware, max_body_bytes=limit, trusted_proxies=proxies)
+    edge: dict[str, Any] = {
+        "max_body_bytes": settings.max_body_bytes,
+        "trusted_proxies": settings.trusted_proxies,
+        "body_read_timeout": settings.connections.body_read_timeout,
+        "body_timeout": settings.connections.body_timeout,
+    }
+    app.add_middleware(GatewayMiddleware, **edge)
     several = worker is not None and worker.workers > 1  # then say which one answered
     if several:
         app.add_middleware(WorkerHeader)
     for op in inference.OPERATIONS:
-        fast: ASGIApp = GatewayMiddleware(
-            inference.endpoint(op), max_body_bytes=limit, trusted_proxies=proxies
-        )
+        fast: ASGIApp = GatewayMiddleware(inference.endpoint(op), **edge)
         app.fast_routes[op.path] = WorkerHeader(fast) if several else fast
     return app
 

@@ -1,15 +1,15 @@
 """Bearer API keys for /v1 and a separate admin key for /admin, rate limits, and client addresses.
 
-Keys are compared in constant time and never logged; a request is identified in records by a short
-hash of its key. Limits key on what a client cannot mint at will: a valid key, else the client's
-address (a bearer string in open mode is free to invent, so it never keys a limit). X-Forwarded-For
-is believed only when the peer is a configured trusted proxy.
+Keys are compared in constant time and never logged; a request is identified in records by a keyed
+fingerprint of its key (keyring.KeyIds: an HMAC under the gateway's secret). Limits key on what a
+client cannot mint at will: a valid key, else the client's address (a bearer string in open mode is
+free to invent, so it never keys a limit). X-Forwarded-For and X-Forwarded-Proto are believed only
+when the peer is a configured trusted proxy.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import ipaddress
 from collections.abc import Mapping
@@ -18,10 +18,6 @@ from typing import Any
 from starlette.requests import Request
 
 from specgate.gateway.protocol.errors import GatewayError
-
-
-def key_id(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def bearer_token(request: Request) -> str | None:
@@ -58,7 +54,7 @@ def parse_networks(entries: list[str]) -> list[Network]:
     return [ipaddress.ip_network(e.strip(), strict=False) for e in entries]
 
 
-def _trusted(addr: str, networks: list[Network]) -> bool:
+def is_trusted(addr: str, networks: list[Network]) -> bool:
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
@@ -71,16 +67,30 @@ def client_address(scope: Mapping[str, Any], headers: Mapping[bytes, bytes], net
     X-Forwarded-For that is not itself a trusted proxy (earlier entries are the client's to forge)."""
     client = scope.get("client")
     peer = str(client[0]) if client else "unknown"
-    if not networks or not _trusted(peer, networks):
+    if not networks or not is_trusted(peer, networks):
         return peer
     forwarded = headers.get(b"x-forwarded-for", b"").decode("latin-1")
     for hop in reversed([h.strip() for h in forwarded.split(",") if h.strip()][-32:]):
-        if not _trusted(hop, networks):
+        if not is_trusted(hop, networks):
             try:
                 return str(ipaddress.ip_address(hop))
             except ValueError:
                 return peer  # garbage from a trusted hop's client: fall back to what we know
     return peer
+
+
+def forwarded_scheme(
+    scope: Mapping[str, Any], headers: Mapping[bytes, bytes], networks: list[Network]
+) -> str | None:
+    """The scheme the client used, as a trusted proxy in front says (X-Forwarded-Proto: its last
+    entry, the one the nearest proxy wrote); None when the peer is not a trusted proxy or says
+    nothing usable."""
+    client = scope.get("client")
+    if not client or not is_trusted(str(client[0]), networks):
+        return None
+    raw = headers.get(b"x-forwarded-proto", b"").decode("latin-1")
+    last = raw.rsplit(",", 1)[-1].strip().lower()
+    return last if last in ("http", "https") else None
 
 
 @functools.lru_cache(maxsize=4096)  # parsing an address costs more than the rest of the check

@@ -8,6 +8,7 @@ cannot be encoded again: one such model name used to break /metrics and the tele
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _NOT_JSON = "the request body is not valid JSON"
+OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and validated in a worker thread
 
 
 class _BadNumber(ValueError):
@@ -118,8 +120,20 @@ async def parse_admin(request: Request, model: type[M], optional: bool = False) 
 
 
 async def parse(request: Request, model: type[M]) -> M:
-    """Read, parse and validate the body; on the way, the record learns the model it asked for."""
-    data = loads(await request.body())
+    """Read, parse and validate the body; on the way, the record learns the model it asked for.
+    A large body is parsed and validated in a thread (orjson and pydantic hold the GIL, but a
+    thread lets the event loop in every switch interval; on the loop, a 4 MiB body of token ids
+    would stall it for the whole parse)."""
+    raw = await request.body()
+    request.state.body_bytes = len(raw)
+    if len(raw) > OFF_LOOP_BYTES:
+        result: M = await asyncio.to_thread(_parse_raw, request, raw, model)
+        return result
+    return _parse_raw(request, raw, model)
+
+
+def _parse_raw(request: Request, raw: bytes, model: type[M]) -> M:
+    data = loads(raw)
     name = data.get("model")
     record = getattr(request.state, "record", None)
     if record is not None and isinstance(name, str):

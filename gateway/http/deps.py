@@ -10,8 +10,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from specgate.gateway.http.auth import bearer_token, check_key, key_id, unauthorized
+from specgate.gateway.http.auth import bearer_token, check_key, unauthorized
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
+from specgate.gateway.http.ui.signin_guard import SignInGuard
+from specgate.gateway.limits import Concurrency, too_many_in_flight
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.services import Services
 
@@ -25,9 +27,11 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 async def api_key(request: Request, svc: ServicesDep) -> str | None:
-    """The caller's key id (for records), after checking the key if keys are set, then the rate limit:
-    per key when keys are set, per client address in open mode (where any bearer string is accepted,
-    so a client could otherwise mint itself a fresh limit with each request)."""
+    """The caller's key id (for records), after checking the key if keys are set, then the rate limit
+    and the tenant's cap on requests in flight: per key when keys are set, per client address in
+    open mode (where any bearer string is accepted, so a client could otherwise mint itself a fresh
+    limit with each request). The request's in-flight slot is released by the middleware when it
+    ends, whatever happens."""
     keys = svc.api_keys
     token = bearer_token(request)
     if keys:
@@ -35,13 +39,29 @@ async def api_key(request: Request, svc: ServicesDep) -> str | None:
             raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
         if not check_key(token, keys):
             raise unauthorized()
-    ident = key_id(token) if token else None
-    record = getattr(request.state, "record", None)
+    ident = svc.key_ids.of(token) if token else None
+    state = request.state
+    record = getattr(state, "record", None)
     if record is not None:
         record.api_key_id = ident
-    bucket = getattr(request.state, "client_bucket", None) or "unknown"  # set by the middleware
-    svc.limiter.check(ident if keys and ident else f"addr:{bucket}")
+    bucket = getattr(state, "client_bucket", None) or "unknown"  # set by the middleware
+    tenant = ident if keys and ident else f"addr:{bucket}"
+    limits = svc.tenant_limits(ident if keys else None)
+    svc.limiter_for(limits.rate_limit_rpm).check(tenant)
+    state.tenant = tenant
+    hold(request, svc.in_flight, f"req:{tenant}", limits.max_in_flight, "requests")
     return ident
+
+
+def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str) -> None:
+    """Take one of `key`'s in-flight slots until the request ends (the middleware releases what is
+    listed in `state.held`), or refuse the request with a 429."""
+    if not counts.acquire(key, limit):
+        raise too_many_in_flight(what, limit)
+    held = getattr(request.state, "held", None)
+    if held is None:
+        held = request.state.held = []
+    held.append((counts, key))
 
 
 ApiKeyDep = Annotated[str | None, Depends(api_key)]
@@ -57,14 +77,46 @@ async def admin_key(request: Request, svc: ServicesDep) -> None:
     if token is None:
         # The dashboard's browser: a signed session cookie (and, for actions, its CSRF header).
         dashboard = dashboard_auth(request)
-        if dashboard is not None and dashboard.authorize(request) is not None:
+        if dashboard is not None and await dashboard.authorize(request) is not None:
             return
         raise unauthorized("The admin API needs the admin key as 'Authorization: Bearer <key>'.")
+    # One budget of wrong guesses per address for this path and the sign-in form: once it is
+    # spent, every key is refused, the right one too, so a guesser cannot tell when it hit.
+    guard: SignInGuard | None = getattr(request.app.state, "admin_guard", None)
+    addr = getattr(request.state, "client_bucket", None) or "unknown"
+    if guard is not None and (wait := guard.retry_after(addr)):
+        raise GatewayError(
+            429,
+            f"Too many wrong admin keys from this address; try again in {int(wait)} s.",
+            code="rate_limit_exceeded",
+            retry_after=wait,
+        )
     if check_key(token, [key.get_secret_value()]):
+        if guard is not None:
+            guard.succeeded(addr)
         return
-    if check_key(token, [k.get_secret_value() for k in svc.settings.api_keys]):
+    if guard is not None:
+        guard.failed(addr)
+    if check_key(token, svc.api_keys):
         raise GatewayError(403, "This API key may call /v1 but not the admin API.", code="forbidden")
     raise unauthorized("Incorrect admin key provided.")
 
 
 AdminDep = Annotated[None, Depends(admin_key)]
+
+
+async def is_admin(request: Request, svc: ServicesDep) -> bool:
+    """Whether the request carries the admin key or an operator's session, for answers that say
+    more to the operator than to anyone (a wrong key costs the same budget as on /admin)."""
+    if svc.settings.admin_key is None:
+        return False
+    if bearer_token(request) is None and dashboard_auth(request) is None:
+        return False
+    try:
+        await admin_key(request, svc)
+    except GatewayError:
+        return False
+    return True
+
+
+AdminViewDep = Annotated[bool, Depends(is_admin)]

@@ -1,26 +1,37 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware: it buffers and hides disconnects).
 
 For every request: a gateway id (the client's `x-request-id` is echoed back and kept apart, never
-used as a key), the client's address (X-Forwarded-For only from trusted proxies), the body size
-limit (413), the per-address limit on refused traffic (401 / 413), and an OpenAI-shaped 500 for
-anything that escapes the app before the response started.
+used as a key), the client's address and scheme (X-Forwarded-For and X-Forwarded-Proto only from
+trusted proxies), the body size limit (413), deadlines for the body (each read, and the whole of
+it: 408, and the connection is closed), the per-address limit on refused traffic (401 / 413), and
+an OpenAI-shaped 500 for anything that escapes the app before the response started. A client that
+leaves before its body is in is a client disconnect (499), not an error of ours.
 
 For the inference routes it also owns the request's record: created here before anything can
-fail, filled along the way, completed from the status actually sent and submitted exactly once.
+fail, filled along the way, completed from the status actually sent and submitted exactly once;
+and it releases the in-flight slots the request held (`state.held`, deps.hold) when it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import secrets
 import time
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specgate.gateway.http.auth import bearer, check_key, client_address, limit_key, parse_networks
+from specgate.gateway.http.auth import (
+    bearer,
+    check_key,
+    client_address,
+    forwarded_scheme,
+    limit_key,
+    parse_networks,
+)
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.protocol.errors import GatewayError
@@ -40,11 +51,25 @@ class BodyTooLarge(GatewayError):
         )
 
 
+class BodyTimeout(GatewayError):
+    def __init__(self, what: str) -> None:
+        super().__init__(408, f"The request body was not received in time ({what}).", code="request_timeout")
+
+
 class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, trusted_proxies: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        trusted_proxies: list[str] | None = None,
+        body_read_timeout: float = 15.0,
+        body_timeout: float = 60.0,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.trusted_proxies = parse_networks(trusted_proxies or [])
+        self.body_read_timeout = body_read_timeout
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,6 +87,10 @@ class GatewayMiddleware:
         state["received_perf"] = time.perf_counter()
         addr = client_address(scope, headers, self.trusted_proxies)
         state["client_addr"] = addr
+        if self.trusted_proxies:
+            scheme = forwarded_scheme(scope, headers, self.trusted_proxies)
+            if scheme is not None:
+                scope["scheme"] = scheme
         bucket = state["client_bucket"] = limit_key(addr)  # an IPv6 client's /64: it holds many
         endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
         record = None
@@ -91,16 +120,35 @@ class GatewayMiddleware:
             await send_raw(message)
 
         seen = 0
+        body_done = False
+        body_deadline = state["received_perf"] + self.body_timeout
+        read_timeout = self.body_read_timeout
 
         async def limited_receive() -> Message:
-            # Bodies without a content-length are counted as they arrive.
-            nonlocal seen, too_large
-            message = await receive()
+            # Bodies without a content-length are counted as they arrive. Until the body is in,
+            # each read has a deadline, and so has the whole body; after it, a read waits for the
+            # client's disconnect, however long the answer takes.
+            nonlocal seen, too_large, body_done
+            if body_done:
+                return await receive()
+            left = body_deadline - time.perf_counter()
+            try:
+                async with asyncio.timeout(min(read_timeout, left)):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"nothing for {read_timeout:g} s"
+                    if left > read_timeout
+                    else f"{self.body_timeout:g} s in all"
+                ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > limit:
                     too_large = True
                     raise BodyTooLarge(limit)
+            else:
+                body_done = True
             return message
 
         escaped: BaseException | None = None
@@ -112,6 +160,10 @@ class GatewayMiddleware:
                 await self._send_error(BodyTooLarge(limit), send_raw)
             else:
                 await self.app(scope, limited_receive, send_with_id)
+        except ClientDisconnect:
+            # Gone before its body was in: nothing to answer, nobody's fault but the client's.
+            if record is not None:
+                record.outcome, record.error_code = "cancelled", "client_disconnected"
         except Exception as exc:
             escaped = exc
             if sent:
@@ -130,6 +182,8 @@ class GatewayMiddleware:
             escaped = exc
             raise
         finally:
+            for counts, key in state.get("held", ()):
+                counts.release(key)
             status = sent[0] if sent else None
             if services is not None:
                 if status in REFUSALS:
@@ -157,14 +211,15 @@ class GatewayMiddleware:
             return True
         request = Request(scope)
         dashboard = dashboard_auth(request)
-        return dashboard is None or dashboard.session(request) is None
+        return dashboard is None or dashboard.signed_session(request) is None
 
     @staticmethod
     async def _send_error(error: GatewayError, send: Any) -> None:
         response = error_response(error)
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
-        )
+        headers = response.raw_headers
+        if error.status == 408:  # the rest of a late body may still come: not on this connection
+            headers = [*headers, (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
 
 

@@ -57,6 +57,8 @@ async def handle(
             route=decision,
             cache_scope=svc.cache_scope(key_id, state.client_addr),
             prefix_salt=svc.prefix_salt(key_id, state.client_addr, parsed.cache_salt),
+            tenant=getattr(state, "tenant", ""),
+            body_bytes=getattr(state, "body_bytes", 0),
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
         rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3

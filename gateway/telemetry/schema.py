@@ -18,6 +18,8 @@ from alembic.script import ScriptDirectory
 from platformdirs import user_data_dir
 from sqlalchemy import Engine, create_engine, event
 
+from specgate.gateway.keyring import private_dir, private_file
+
 
 class SchemaOutdatedError(RuntimeError):
     pass
@@ -41,9 +43,9 @@ def make_engine(
     """An engine for `url`. PostgreSQL gets connect and statement timeouts, so a database that hangs
     costs the writer seconds, not forever (the rows spool meanwhile)."""
     if is_sqlite(url):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        path = url.split("///", 1)[-1].split("?", 1)[0]
+        if path and path != ":memory:" and not path.startswith("file:"):
+            private_sqlite(Path(path))
         engine = create_engine(url, connect_args={"timeout": 30}, **kwargs)
 
         @event.listens_for(engine, "connect")
@@ -63,6 +65,18 @@ def make_engine(
         if statement_timeout is not None:
             connect_args["options"] = f"-c statement_timeout={round(statement_timeout * 1000)}"
     return create_engine(url, pool_pre_ping=True, connect_args=connect_args, pool_timeout=30, **kwargs)
+
+
+def private_sqlite(db: Path) -> None:
+    """The database file and its WAL and shared-memory files readable by their owner only (SQLite
+    gives the -wal and -shm files the database file's mode), in a directory made 0700 (ours:
+    the default data directory is tightened too, a folder the operator chose is not)."""
+    private_dir(db.parent, tighten=db.parent == default_data_dir())
+    private_file(db)
+    for suffix in ("-wal", "-shm", "-journal"):
+        side = db.with_name(db.name + suffix)
+        if side.exists():
+            private_file(side)
 
 
 def alembic_config(url: str) -> Config:

@@ -33,7 +33,8 @@ requests = Table(
     "requests",
     metadata,
     # Identity. request_id is the gateway's own (unique); client_request_id the client's
-    # x-request-id as sent (it may repeat). The key id is a hash prefix of the API key, never the key.
+    # x-request-id as sent (it may repeat). The key id is an HMAC of the API key under the
+    # gateway's secret (gateway/keyring.py), never the key; `legacy-...` on rows from before 0008.
     Column("request_id", String(128), primary_key=True),
     Column("client_request_id", String(128)),
     Column("api_key_id", String(32)),
@@ -156,4 +157,15 @@ telemetry_quarantine = Table(
     Column("error", Text, nullable=False),
     Column("row", Text, nullable=False),
     Index(None, "quarantined_at"),
+)
+
+# Signed-out dashboard sessions, until their cookies would have expired anyway: every worker,
+# replica and restart of the gateway refuses them (the cookie itself cannot be recalled).
+dashboard_revocations = Table(
+    "dashboard_revocations",
+    metadata,
+    Column("session_id", String(64), primary_key=True),
+    Column("revoked_at", Float, nullable=False),  # unix seconds
+    Column("expires_at", Float, nullable=False),
+    Index(None, "expires_at"),
 )

@@ -17,7 +17,7 @@ from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
-ADMIN = "adm-fuzz"
+ADMIN = "adm-fuzz-0123456789"
 
 
 def telemetry(tmp: Path) -> dict[str, Any]:

@@ -8,12 +8,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
+from tests.gateway.live import TEST_ADMIN_KEY, LiveGateway, start_gateway, tiny_settings
 
 
 @pytest.fixture(scope="module")
 def gateway(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
-    live = start_gateway(tiny_settings(str(tiny_llama_dir)))
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), admin_key=TEST_ADMIN_KEY))
     yield live
     live.stop()
 

@@ -32,7 +32,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.gateway.settings import BackendSettings, Settings
-from tests.gateway.live import LiveGateway, start_gateway
+from tests.gateway.live import TEST_ADMIN_KEY, LiveGateway, start_gateway
 
 PROMPT_TOKENS = 7
 
@@ -457,7 +457,9 @@ def backend(name: str, target: FakeUpstream | str, **overrides: Any) -> BackendS
 
 
 def external_settings(*backends: BackendSettings, **overrides: Any) -> Settings:
-    """Gateway settings with no embedded engine, only the given external backends."""
+    """Gateway settings with no embedded engine, only the given external backends (and the test
+    admin key, which /readyz's details need)."""
+    overrides.setdefault("admin_key", TEST_ADMIN_KEY)
     return Settings(
         embedded={"enabled": False}, backends=list(backends), port=0, log_requests=False, **overrides
     )

@@ -13,8 +13,19 @@ import uvicorn
 from fastapi import FastAPI
 
 from specgate.gateway.http.app import create_app
+from specgate.gateway.http.connections import uvicorn_options
 from specgate.gateway.services import Services
 from specgate.gateway.settings import Settings
+
+# The admin key of test gateways that read /readyz's details (only the admin key sees them).
+TEST_ADMIN_KEY = "adm-tests-readiness-0123"
+ADMIN_HEADERS = {"authorization": f"Bearer {TEST_ADMIN_KEY}"}
+
+
+def readiness(url: str) -> dict[str, Any]:
+    """/readyz as the operator sees it (every check's detail, the backends)."""
+    body: dict[str, Any] = httpx.get(f"{url}/readyz", headers=ADMIN_HEADERS, timeout=10).json()
+    return body
 
 
 def free_port() -> int:
@@ -50,9 +61,7 @@ def start_gateway(
     port = settings.port or free_port()
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings, **kw)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False
-    )
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, **uvicorn_options(settings))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -82,6 +91,7 @@ def wait_until_ready(url: str, deadline: float) -> None:
 def tiny_settings(model_dir: str, **overrides: Any) -> Settings:
     embedded = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_blocks": 256, "block_size": 4}
     embedded.update(overrides.pop("embedded", {}))
+    overrides.setdefault("docs", True)  # the tests read /openapi.json; off by default (test_docs)
     return Settings(embedded=embedded, port=0, **overrides)
 
 

@@ -25,7 +25,7 @@ import pytest
 from specgate.engine.loader import default_model_source
 from specgate.gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, backend, metric_value, openai_client, running_gateway
-from tests.gateway.live import LiveGateway, free_port, start_gateway, tiny_settings, wait_for
+from tests.gateway.live import LiveGateway, free_port, readiness, start_gateway, tiny_settings, wait_for
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is a dev dependency")
 
@@ -165,7 +165,7 @@ def chat_stream(client: openai.OpenAI, **kw: Any) -> tuple[str, list[Any]]:
 
 
 def readyz_backend(live: LiveGateway, name: str) -> dict[str, Any]:
-    state: dict[str, Any] = HTTP.get(f"{live.url}/readyz").json()["backends"][name]
+    state: dict[str, Any] = readiness(live.url)["backends"][name]
     return state
 
 

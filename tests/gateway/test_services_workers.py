@@ -21,7 +21,7 @@ from specgate.gateway.telemetry.tables import requests
 from specgate.gateway.worker_context import WorkerContext
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
 
-ADMIN = {"authorization": "Bearer adm-key"}
+ADMIN = {"authorization": "Bearer adm-key-0123456789"}
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_two_workers_agree(tiny_llama_dir: Path, run_dir: Path) -> None:
     settings: Settings = tiny_settings(
         str(tiny_llama_dir),
         rate_limit_rpm=30,  # bursts of 5: alone, each worker would let 5 through
-        admin_key="adm-key",
+        admin_key="adm-key-0123456789",
         log_requests=False,
         telemetry={"url": f"sqlite:///{run_dir / 't.db'}", "auto_upgrade": True, "flush_interval": 0.02},
         policy={"sync_interval": 0.1},

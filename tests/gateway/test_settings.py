@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -74,7 +76,7 @@ def test_invalid_settings_are_refused(data: dict) -> None:
 
 
 def test_secrets_do_not_print() -> None:
-    s = Settings(api_keys=["sk-secret"], admin_key="adm-secret")
+    s = Settings(api_keys=["sk-secret"], admin_key="adm-secret-0123456789")
     assert "sk-secret" not in repr(s) and "adm-secret" not in str(s.model_dump())
 
 
@@ -93,3 +95,53 @@ def test_prefix_cache_settings_from_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("SPECGATE_EMBEDDED__PREFIX_CACHE_BYTES", "0")
     e = Settings().embedded
     assert e.prefix_cache_scope == "global" and e.prefix_cache_bytes == 0
+
+
+def test_a_short_admin_key_is_refused_at_start() -> None:
+    with pytest.raises(ValidationError, match="at least 16 characters"):
+        Settings(admin_key="adm-short")
+    assert Settings(admin_key="a" * 16).admin_key is not None
+
+
+def test_keys_as_strings_or_with_limits_of_their_own() -> None:
+    s = Settings(api_keys=["sk-plain", {"key": "sk-small", "max_in_flight": 2, "max_streams": 1}])
+    plain, small = s.api_keys
+    assert plain.key.get_secret_value() == "sk-plain" and plain.max_in_flight is None
+    assert (small.max_in_flight, small.max_streams) == (2, 1)
+    for bad in ("", " sk-spaced ", "sk\nnewline", {"key": "k", "max_in_flight": -1}, {"key": "k", "x": 1}):
+        with pytest.raises(ValidationError):
+            Settings(api_keys=[bad])
+
+
+def test_keys_from_files_and_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nsk-one\n\nsk-two  # the second\nsk-one\n")
+    admin = tmp_path / "admin.txt"
+    admin.write_text("adm-from-a-file-0123456789\n")
+    s = Settings(api_keys=["sk-zero"], api_keys_file=str(keys), admin_key_file=str(admin))
+    assert [k.key.get_secret_value() for k in s.api_keys] == ["sk-zero", "sk-one", "sk-two"]
+    assert s.admin_key is not None and s.admin_key.get_secret_value() == "adm-from-a-file-0123456789"
+    assert s.model_copy().api_keys == s.api_keys  # read once: a copy does not add them again
+    with pytest.raises(ValidationError, match="cannot read the key file"):
+        Settings(api_keys_file=str(tmp_path / "missing"))
+    admin.write_text("one-key-0123456789\ntwo-keys-0123456789\n")
+    with pytest.raises(ValidationError, match="exactly one key"):
+        Settings(admin_key_file=str(admin))
+    monkeypatch.setenv("SPECGATE_API_KEYS", '["sk-env"]')
+    assert [k.key.get_secret_value() for k in Settings().api_keys] == ["sk-env"]
+
+
+def test_the_api_key_flag_warns_that_ps_shows_it(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from specgate.gateway.cli.main import build_parser
+    from specgate.gateway.cli.serve import serve_settings
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file\n")
+    with caplog.at_level(logging.WARNING):
+        args = build_parser().parse_args(["serve", "--api-key-file", str(keys)])
+        assert [k.key.get_secret_value() for k in serve_settings(args).api_keys] == ["sk-file"]
+        assert "`ps`" not in caplog.text
+        args = build_parser().parse_args(["serve", "--api-key", "sk-flag", "--api-key-file", str(keys)])
+        got = [k.key.get_secret_value() for k in serve_settings(args).api_keys]
+    assert got == ["sk-flag", "sk-file"]
+    assert "`ps` shows it" in caplog.text and "sk-flag" not in caplog.text

@@ -112,3 +112,39 @@ def test_the_handle_is_validated() -> None:
             SharedLimits(handle.name, handle.lock, b"x" * 32, handle.tables[:2], 60, 60, 5, 900.0)
     finally:
         handle.close()
+
+
+def _hold(handle: SharedLimits, index: int, n: int, out: multiprocessing.Queue[int]) -> None:
+    counts = handle.attach().in_flight(index, 2)
+    out.put(sum(counts.acquire("tenant", 5) for _ in range(n)))
+
+
+def test_in_flight_counts_are_one_cap_across_workers(limits: SharedLimits) -> None:
+    """Two spawned workers take slots of one tenant's cap of 5: never more than 5 in all."""
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue[int] = ctx.Queue()
+    procs = [ctx.Process(target=_hold, args=(limits, i, 4, out)) for i in range(2)]
+    for p in procs:
+        p.start()
+    taken = [out.get(timeout=60) for _ in range(2)]
+    for p in procs:
+        p.join(30)
+    assert sum(taken) == 5, taken  # 8 asked for, 5 allowed in all, however they interleaved
+    assert limits.attach().in_flight(0, 2).count("tenant") == 5  # as every worker sees it
+
+
+def test_a_dead_workers_slots_stop_counting_when_its_slot_starts_again(limits: SharedLimits) -> None:
+    tables = limits.attach()
+    first, second = tables.in_flight(0, 2), tables.in_flight(1, 2)
+    first.bump(0)
+    second.bump(1)
+    assert all(first.acquire("t", 4) for _ in range(3)) and second.acquire("t", 4)
+    assert not second.acquire("t", 4) and first.count("t") == 4
+    # Worker 0 dies holding three; its replacement starts a new generation in slot 0.
+    replacement = tables.in_flight(0, 2)
+    replacement.bump(0)
+    assert replacement.count("t") == 1  # only worker 1's is left
+    assert replacement.acquire("t", 4) and replacement.acquire("t", 4)
+    second.release("t")
+    replacement.release("t")
+    assert first.count("t") == 1

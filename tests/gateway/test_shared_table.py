@@ -46,7 +46,7 @@ def test_table_specs_are_validated() -> None:
         TableSpec("api", 0, 100)  # not a power of two
     with pytest.raises(ValueError):
         TableSpec("api", 4, 64)  # misaligned
-    assert [t.name for t in layout()] == ["api", "refusals", "signins", "revoked"]
+    assert [t.name for t in layout()] == ["api", "refusals", "signins", "revoked", "inflight"]
 
 
 def _die_holding_the_lock(handle: SharedLimits) -> None:

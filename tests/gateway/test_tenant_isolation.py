@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,6 @@ import httpx
 import pytest
 
 from specgate.gateway.backends.embedded import backend as embedded_module
-from specgate.gateway.http.auth import key_id
 from specgate.gateway.services import Services, salted
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
@@ -36,6 +36,7 @@ def _chat(live: LiveGateway, key: str | None, **extra: Any) -> httpx.Response:
 
 
 def test_each_key_drafts_only_from_its_own_outputs(keyed: LiveGateway) -> None:
+    key_id = keyed.services.key_ids.of
     engine = keyed.services.registry.embedded.engine  # type: ignore[union-attr]
     suffix = engine.proposer("suffix")
     assert _chat(keyed, "k-alice", spec={"method": "suffix"}).status_code == 200
@@ -85,6 +86,116 @@ def test_long_prompts_are_tokenized_off_the_event_loop(
     assert worker_thread != loop_thread  # the short one on the loop, the long one in a worker thread
 
 
+def test_what_the_template_renders_counts_wherever_it_sits_in_the_body(
+    keyed: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tool calls' arguments, names: everything the template renders goes by the body's size, not
+    by the message text alone (a big body in a tool call used to be tokenized on the loop)."""
+    threads: list[str] = []
+    real = embedded_module.prepare
+
+    def spy(call, engine):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(call, engine)
+
+    monkeypatch.setattr(embedded_module, "prepare", spy)
+    args = "y" * (embedded_module.TOKENIZE_OFF_LOOP_CHARS * 4)
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    _chat(keyed, "k-alice", messages=messages, max_tokens=2)
+    _chat(keyed, "k-alice", max_tokens=2)  # a small one stays on the loop
+    big, small = threads
+    assert small == keyed.thread.name != big  # the small one on the event loop's thread, the big one not
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(
+    keyed: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = keyed.services.registry.embedded.model  # type: ignore[union-attr]
+    assert model is not None and model.max_token_chars >= 1
+    calls: list[int] = []
+    tok = model.tokenizer
+    real = type(tok).__call__
+
+    def counting(self, text, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(text))
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(tok), "__call__", counting)
+    huge = "z" * (model.max_model_len * model.max_token_chars + 1)
+    r = _chat(keyed, "k-alice", messages=[{"role": "user", "content": huge}], max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert calls == []  # the tokenizer never saw it
+    ids = list(range(model.max_model_len + 1))
+    name = keyed.services.registry.embedded.served_name  # type: ignore[union-attr]
+    body = {"model": name, "prompt": ids, "echo": True, "max_tokens": 1}
+    r = httpx.post(f"{keyed.url}/v1/completions", json=body, headers={"authorization": "Bearer k-alice"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_prompt_of_millions_of_token_ids_is_refused_by_its_size(keyed: LiveGateway) -> None:
+    body = b'{"model": "x", "echo": true, "prompt": [' + b",".join([b"1"] * 1_500_000) + b"]}"
+    headers = {"authorization": "Bearer k-alice", "content-type": "application/json"}
+    start = time.monotonic()
+    r = httpx.post(f"{keyed.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and "at most 262144 token ids" in r.text
+    assert time.monotonic() - start < 5
+
+
+def test_healthz_is_not_held_up_by_a_big_request(keyed: LiveGateway) -> None:
+    """The event loop stays free while a 3.7 MB request is parsed, rendered and refused."""
+    args = "w" * 3_700_000
+    body = {
+        "model": keyed.services.registry.embedded.served_name,  # type: ignore[union-attr]
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+    waits: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=10) as h:
+            while not done.is_set():
+                start = time.monotonic()
+                h.get(f"{keyed.url}/healthz")
+                waits.append(time.monotonic() - start)
+                time.sleep(0.01)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        for _ in range(2):
+            r = httpx.post(
+                f"{keyed.url}/v1/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer k-alice"},
+                timeout=60,
+            )
+            assert r.status_code == 400
+    finally:
+        done.set()
+        t.join(10)
+    assert len(waits) > 5
+    assert max(waits) < 0.5, sorted(waits)[-5:]
+
+
 # ---- the prefix cache -------------------------------------------------------------------------------
 
 # Long enough for many full KV blocks (one token per character, blocks of 4).
@@ -112,6 +223,7 @@ def _salts(live: LiveGateway, monkeypatch: pytest.MonkeyPatch) -> list[str | Non
 
 
 def test_each_key_gets_its_own_prefix_salt(keyed: LiveGateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    key_id = keyed.services.key_ids.of
     seen = _salts(keyed, monkeypatch)
     for key, extra in (("k-alice", {}), ("k-bob", {}), ("k-alice", {"cache_salt": "project-1"})):
         assert _chat(keyed, key, max_tokens=2, **extra).status_code == 200
@@ -142,7 +254,7 @@ def _with_scope(svc: Services, mode: str, keys: list[str]) -> Services:
 @pytest.mark.parametrize(
     ("mode", "keys", "expected"),
     [
-        ("tenant", ["k"], key_id("k")),
+        ("tenant", ["k"], "key:k"),  # the key's id
         ("tenant", [], "addr:10.0.0.1"),  # open mode: per client address
         ("address", ["k"], "addr:10.0.0.1"),
         ("global", ["k"], ""),
@@ -152,6 +264,8 @@ def _with_scope(svc: Services, mode: str, keys: list[str]) -> Services:
 def test_prefix_salt_follows_the_scope_setting(
     keyed: LiveGateway, mode: str, keys: list[str], expected: str | None
 ) -> None:
+    key_id = keyed.services.key_ids.of
+    expected = key_id(expected[4:]) if expected and expected.startswith("key:") else expected
     svc = _with_scope(keyed.services, mode, keys)
     assert svc.prefix_salt(key_id("k"), "10.0.0.1") == expected
     salt = svc.prefix_salt(key_id("k"), "10.0.0.1", "team")

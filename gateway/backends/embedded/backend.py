@@ -30,7 +30,7 @@ from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import EmbeddedSettings
 
 logger = logging.getLogger("specgate.embedded")
-TOKENIZE_OFF_LOOP_CHARS = 8192  # longer prompts are tokenized in a worker thread
+TOKENIZE_OFF_LOOP_CHARS = 8192  # bigger requests are rendered and tokenized in a worker thread
 
 
 class EmbeddedBackend:
@@ -176,7 +176,7 @@ class EmbeddedBackend:
 
     # ---- serving ------------------------------------------------------------------------------
 
-    def _ready_worker(self) -> EngineHandle:
+    def _ready_worker(self, tenant: str = "") -> EngineHandle:
         w = self.worker
         if w is None or not w.ready:
             if w is not None:
@@ -186,26 +186,46 @@ class EmbeddedBackend:
             else:
                 msg = "the embedded model failed to load"
             raise GatewayError(503, msg, code="model_not_ready", retryable=True, retry_after=2)
-        if w.num_waiting >= self.settings.max_waiting:
+        if w.num_waiting >= self.settings.max_waiting and not self._under_fair_share(w, tenant):
             raise GatewayError(
                 503, "the embedded engine is overloaded", code="overloaded", retryable=True, retry_after=1
             )
         return w
 
+    def _under_fair_share(self, w: EngineHandle, tenant: str) -> bool:
+        """Whether a full queue still takes this tenant's request: it holds less than an equal share
+        of the engine (batch slots and queue) among the tenants with requests in it. One tenant
+        cannot fill the queue for everyone else; the queue then grows at most to twice its size."""
+        if w.num_waiting >= 2 * self.settings.max_waiting:
+            return False
+        held = w.in_engine
+        tenants = len(held) + (tenant not in held)
+        capacity = self.settings.max_waiting + self.settings.max_num_seqs
+        return held[tenant] < capacity / tenants
+
     async def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
-        worker = self._ready_worker()
+        worker = self._ready_worker(call.tenant)
         model = self.model
         assert model is not None  # set before any worker is
-        if prompt_chars(call.request) > TOKENIZE_OFF_LOOP_CHARS:
-            prep = await asyncio.to_thread(prepare, call, model)  # a long prompt: tokenize off the loop
-            worker = self._ready_worker()
+        # What rendering and tokenizing may cost grows with the body as sent (everything the chat
+        # template renders is in it); requests made without one are measured field by field.
+        size = call.body_bytes or prompt_chars(call.request)
+        if size > TOKENIZE_OFF_LOOP_CHARS:
+            prep = await asyncio.to_thread(prepare, call, model)  # a big request: off the loop
+            worker = self._ready_worker(call.tenant)
         else:
             prep = prepare(call, model)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
         q = worker.submit(
-            call.engine_id, prep.prompt_ids, prep.params, spec, call.cache_scope, call.prefix_salt
+            call.engine_id,
+            prep.prompt_ids,
+            prep.params,
+            spec,
+            call.cache_scope,
+            call.prefix_salt,
+            call.tenant,
         )
         return prep, q
 

@@ -21,6 +21,14 @@ from typing import Any
 logger = logging.getLogger("specgate.engine_core")
 HEADER = struct.Struct("!Q")
 READ_SIZE = 1 << 20
+# The largest frame either end takes: a submission holds at most a context of token ids and a step's
+# outputs at most a batch of tokens and their logprobs, far below this; a longer header is junk or
+# an attack, and ends the connection before anything is allocated for it.
+MAX_FRAME = 256 << 20
+
+
+class FrameTooLarge(ValueError):
+    pass
 
 
 def frame(message: Any) -> bytes:
@@ -40,6 +48,8 @@ class Frames:
         out, pos = [], 0
         while len(buf) - pos >= HEADER.size:
             (n,) = HEADER.unpack_from(buf, pos)
+            if n > MAX_FRAME:
+                raise FrameTooLarge(f"a frame of {n} bytes (the limit is {MAX_FRAME})")
             end = pos + HEADER.size + n
             if len(buf) < end:
                 break
@@ -70,7 +80,10 @@ class Channel:
                 data = self._sock.recv(READ_SIZE)
                 if not data:
                     raise EOFError("the gateway closed its end")
-                self._inbox.extend(self._frames.feed(data))
+                try:
+                    self._inbox.extend(self._frames.feed(data))
+                except FrameTooLarge as exc:
+                    raise EOFError(f"the gateway sent {exc}") from None
         return self._inbox.popleft() if self._inbox else None
 
 
@@ -130,11 +143,16 @@ class AsyncChannel:
             return
         except OSError:
             data = b""
-        if not data:
+        try:
+            messages = self._frames.feed(data) if data else None
+        except FrameTooLarge as exc:
+            logger.error("the engine core sent %s; closing the connection", exc)
+            messages = None
+        if messages is None:
             self.close()
             self._on_eof()
             return
-        for message in self._frames.feed(data):
+        for message in messages:
             self._on_message(message)
 
     def close(self) -> None:

@@ -15,16 +15,30 @@ from specgate.gateway.backends.embedded.tools import (
 def render_chat(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
 ) -> list[int]:
+    """The conversation's prompt token ids, as the model's chat template writes it."""
+    return encode(tokenizer, chat_text(tokenizer, messages, tools))
+
+
+def chat_text(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+) -> str:
+    """The conversation as the model's chat template writes it, ready for `encode`."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
-    encoded = tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=True,
-        tokenize=True,
+        tokenize=False,
     )
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
-    return [int(t) for t in ids]
+    return str(text)
+
+
+def encode(tokenizer: Any, rendered: str) -> list[int]:
+    """A rendered conversation's token ids (its special tokens are in the text already, as
+    apply_chat_template's own tokenizing does it)."""
+    encoded = tokenizer(rendered, add_special_tokens=False)
+    return [int(t) for t in encoded["input_ids"]]
 
 
 def normalize_messages(

@@ -8,11 +8,20 @@ how to stop it (`close`); they hand every batch that comes back to `_apply`.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
-from specgate.gateway.backends.embedded.messages import READY, Batch, Command, Item, Load, LoadFailed
+from specgate.gateway.backends.embedded.messages import (
+    READY,
+    Batch,
+    Command,
+    Item,
+    Load,
+    LoadFailed,
+    Submission,
+)
 from specgate.gateway.backends.embedded.model_info import ModelInfo
 
 
@@ -24,6 +33,9 @@ class EngineHandle:
         self.last_error: str | None = None
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._pending = 0  # submitted, not yet taken by the engine
+        # Requests of each tenant submitted through this handle and not yet finished.
+        self.in_engine: Counter[str] = Counter()
+        self._tenants: dict[str, str] = {}  # request id -> tenant, while in the engine
 
     # ---- what a subclass provides ---------------------------------------------------------------
 
@@ -68,18 +80,31 @@ class EngineHandle:
         spec: SpecParams | None,
         cache_scope: str | None = "",
         prefix_salt: str | None = "",
+        tenant: str = "",
     ) -> asyncio.Queue[Item]:
-        """Outputs, or the exception that refused the request, arrive on the queue. `cache_scope`
-        and `prefix_salt` are the engine's (Engine.add_request): None shares nothing."""
+        """Outputs, or the exception that refused the request, arrive on the queue. `cache_scope`,
+        `prefix_salt` and `tenant` are the engine's (Engine.add_request): None shares nothing."""
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = q
         self._pending += 1
-        self._send(("add", (request_id, prompt_ids, params, spec, cache_scope, prefix_salt)))
+        self._tenants[request_id] = tenant
+        self.in_engine[tenant] += 1
+        self._send(
+            ("add", Submission(request_id, prompt_ids, params, spec, cache_scope, prefix_salt, tenant))
+        )
         return q
+
+    def _forget(self, request_id: str) -> None:
+        tenant = self._tenants.pop(request_id, None)
+        if tenant is not None:
+            self.in_engine[tenant] -= 1
+            if not self.in_engine[tenant]:
+                del self.in_engine[tenant]
 
     def abort(self, request_id: str) -> None:
         """The engine frees the request's blocks before its next step."""
         if self._queues.pop(request_id, None) is not None:
+            self._forget(request_id)
             self._send(("abort", request_id))
 
     def orphans(self) -> list[str]:
@@ -91,6 +116,8 @@ class EngineHandle:
         for request_id in list(self._queues):
             self._queues.pop(request_id).put_nowait(error)
         self._pending = 0
+        self._tenants.clear()
+        self.in_engine.clear()
 
     def _apply(self, batch: Batch) -> None:
         self.load, self.state = batch.load, batch.state
@@ -103,3 +130,4 @@ class EngineHandle:
             q.put_nowait(item)
             if isinstance(item, BaseException) or item.finished:
                 del self._queues[request_id]
+                self._forget(request_id)

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import selectors
 import socket
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from specgate.engine.outputs import RequestOutput
-from specgate.gateway.backends.embedded.channel import READ_SIZE, Frames, frame
-from specgate.gateway.backends.embedded.messages import Batch, Command, Item
+from specgate.gateway.backends.embedded.channel import READ_SIZE, Frames, FrameTooLarge, frame
+from specgate.gateway.backends.embedded.messages import Batch, Command, Item, Submission
 
 logger = logging.getLogger("specgate.engine_core")
 MAX_BACKLOG = 256 * 2**20  # bytes a worker may leave unread before it is judged stuck and dropped
@@ -42,6 +44,17 @@ class _Conn:
 
     def engine_id(self, request_id: str) -> str:
         return f"{self.serial}:{request_id}"
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as this one's user (SO_PEERCRED;
+    where the platform has none, the socket file's 0600 mode is the only guard)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return True
+    creds = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return bool(uid == os.getuid())
 
 
 class CoreHub:
@@ -96,6 +109,10 @@ class CoreHub:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        if not same_user(sock):
+            logger.error("refused an engine-core connection from another user")
+            sock.close()
+            return
         sock.setblocking(False)
         conn = _Conn(next(self._serials), sock)
         self._conns[conn.serial] = conn
@@ -125,11 +142,23 @@ class CoreHub:
         if not data:
             self._drop(conn, "closed its connection")
             return
-        for kind, arg in conn.frames.feed(data):
+        try:
+            commands = conn.frames.feed(data)
+        except FrameTooLarge as exc:
+            self._drop(conn, f"sent {exc}")
+            return
+        for command in commands:
+            if not (isinstance(command, tuple) and len(command) == 2):
+                self._drop(conn, "sent a malformed command")
+                return
+            kind, arg = command
+            if kind == "add" and not isinstance(arg, Submission):
+                self._drop(conn, "sent a malformed submission")
+                return
             if kind == "add":
-                request_id = conn.engine_id(arg[0])
-                conn.owned.add(request_id)
-                self._inbox.append((conn, ("add", (request_id, *arg[1:]))))
+                arg.request_id = conn.engine_id(arg.request_id)
+                conn.owned.add(arg.request_id)
+                self._inbox.append((conn, ("add", arg)))
             elif kind == "abort":
                 request_id = conn.engine_id(arg)
                 if request_id in conn.owned:

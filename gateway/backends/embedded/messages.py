@@ -11,12 +11,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from specgate.engine.outputs import RequestOutput
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
 
 Item = RequestOutput | BaseException
-# ("add", (request_id, prompt_ids, params, spec, cache_scope, prefix_salt)), ("abort", request_id),
-# ("stop", None)
+# ("add", Submission), ("abort", request_id), ("stop", None)
 Command = tuple[str, Any]
 READY, REBUILDING = "ready", "rebuilding"
+
+
+@dataclass(slots=True)
+class Submission:
+    """One request for the engine, with the arguments of `Engine.add_request`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams | None
+    cache_scope: str | None = ""  # None: shares no drafting state
+    prefix_salt: str | None = ""  # None: shares no cached prompt blocks
+    tenant: str = ""  # whom batch slots are shared fairly with
+
+    def add_to(self, engine: Any) -> None:
+        engine.add_request(
+            self.request_id,
+            self.prompt_ids,
+            self.params,
+            self.spec,
+            cache_scope=self.cache_scope,
+            prefix_salt=self.prefix_salt,
+            tenant=self.tenant,
+        )
 
 
 class EngineUnavailable(RuntimeError):

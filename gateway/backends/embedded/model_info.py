@@ -27,6 +27,9 @@ class ModelInfo:
     max_model_len: int
     config: EngineConfig  # as the engine resolved it ("auto" dtype and device decided)
     methods: list[str]  # speculation methods this engine can build
+    # No token decodes to more characters than this: a text over max_model_len times as long
+    # cannot fit, and is refused before it is tokenized.
+    max_token_chars: int = 256
 
     @classmethod
     def of(cls, engine: Engine) -> ModelInfo:
@@ -38,7 +41,19 @@ class ModelInfo:
             engine.max_model_len,
             engine.config,
             buildable_methods(engine),
+            longest_token(engine.tokenizer),
         )
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token's text has: its vocabulary entry is at least as long (a
+    byte-level token spells each byte as one character, a byte-fallback token as six), and added
+    tokens are spelled out whole."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to list: assume the worst we allow
+        return 256
+    return max(1, max((len(t) for t in vocab), default=1))
 
 
 def buildable_methods(engine: Engine) -> list[str]:

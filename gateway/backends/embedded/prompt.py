@@ -12,7 +12,7 @@ from typing import Any
 
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
-from specgate.gateway.backends.embedded.chat_template import normalize_messages, render_chat
+from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
 from specgate.gateway.backends.embedded.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
@@ -29,7 +29,9 @@ class Prepared:
 
 
 def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
-    """About how much text the request asks us to tokenize (cheap: no tokenizer involved)."""
+    """About how much the chat template renders or the tokenizer reads, without either: every
+    message's text, name and tool calls, the tools; a completion's prompt (token ids count one
+    each: they are checked and maybe decoded). For requests that did not come as an HTTP body."""
     if isinstance(req, ChatCompletionRequest):
         total = 0
         for m in req.messages:
@@ -37,9 +39,38 @@ def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
                 total += len(m.content)
             elif m.content:
                 total += sum(len(str(p.get("text", ""))) for p in m.content)
+            total += len(m.name or "") + len(m.tool_call_id or "")
+            total += sum(len(str(c)) for c in m.tool_calls or ())
         return total + sum(len(str(t)) for t in req.tools or ())
     prompt = req.prompt
-    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
+
+
+def too_long(model: ModelInfo, tokens: int, param: str, limit: int | None = None) -> GatewayError:
+    asked = f" + {limit} completion" if limit is not None else ""
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+        f"{tokens} prompt{asked} tokens. Please reduce the length of the {param} or completion.",
+        code="context_length_exceeded",
+        param=param,
+    )
+
+
+def _text_fits(model: ModelInfo, text: str, param: str) -> None:
+    """Refuse a text that cannot fit the context before it is tokenized: no token is longer than
+    `max_token_chars` characters, so a text longer than that many times the context is too long."""
+    if len(text) > model.max_model_len * model.max_token_chars:
+        raise GatewayError(
+            400,
+            f"This model's maximum context length is {model.max_model_len} tokens. However, your "
+            f"{param} is {len(text)} characters long, more than that many tokens can hold. Please "
+            f"reduce the length of the {param}.",
+            code="context_length_exceeded",
+            param=param,
+        )
 
 
 def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> GatewayError:
@@ -71,14 +102,7 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     room = model.max_model_len - len(prompt_ids)
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
-        asked = f" + {limit} completion" if limit is not None else ""
-        raise GatewayError(
-            400,
-            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
-            f"{len(prompt_ids)} prompt{asked} tokens. Please reduce the length of the {param} or completion.",
-            code="context_length_exceeded",
-            param=param,
-        )
+        raise too_long(model, len(prompt_ids), param, limit)
     try:
         params = SamplingParams(
             max_tokens=limit if limit is not None else room,
@@ -110,7 +134,11 @@ def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int
     tok = model.tokenizer
     try:
         messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)
-        ids = render_chat(tok, messages, tools)
+        text = chat_text(tok, messages, tools)
+        _text_fits(model, text, "messages")
+        ids = encode(tok, text)
+    except GatewayError:
+        raise
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value", param="messages") from exc
     except Exception as exc:  # jinja errors: the template rejected this conversation
@@ -133,9 +161,12 @@ def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> tuple[list[i
     if isinstance(prompt, str):
         if not prompt:
             raise GatewayError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+        _text_fits(model, prompt, "prompt")
         ids = list(model.tokenizer.encode(prompt))
         text = prompt
     else:
+        if len(prompt) > model.max_model_len:  # before anything proportional to it (echo decodes)
+            raise too_long(model, len(prompt), "prompt", req.token_limit)
         ids = [int(t) for t in prompt]
         vocab = model.vocab_size
         if not ids or min(ids) < 0 or max(ids) >= vocab:

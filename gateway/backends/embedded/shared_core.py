@@ -27,6 +27,7 @@ from specgate.gateway.backends.embedded.hub import CoreHub
 from specgate.gateway.backends.embedded.messages import LoadFailed
 from specgate.gateway.backends.embedded.model_info import ModelInfo
 from specgate.gateway.backends.embedded.supervisor import EngineSupervisor
+from specgate.gateway.proc_title import name_process
 
 logger = logging.getLogger("specgate.engine_core")
 
@@ -37,6 +38,7 @@ def run_shared_core(
     """The shared engine core's entry point (a spawned process)."""
     # Ctrl-C reaches the whole process group; the supervisor stops the core after its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process("specgate-core")
     log.apply()
     try:
         engine = Engine(config)

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 
@@ -30,6 +30,7 @@ from specgate.gateway.backends.embedded.messages import (
     EngineUnavailable,
     Item,
     Load,
+    Submission,
 )
 
 logger = logging.getLogger("specgate.engine_worker")
@@ -133,10 +134,10 @@ class EngineSupervisor:
             cmd = self._inbox.get(None)
         return taken
 
-    def _admit(self, arg: Any, deliveries: list[tuple[str, Item]]) -> None:
-        rid, prompt_ids, params, spec, scope, salt = arg
+    def _admit(self, sub: Submission, deliveries: list[tuple[str, Item]]) -> None:
+        rid = sub.request_id
         try:
-            self.engine.add_request(rid, prompt_ids, params, spec, cache_scope=scope, prefix_salt=salt)
+            sub.add_to(self.engine)
         except RequestError as exc:
             deliveries.append((rid, exc))
         except Exception as exc:  # a bug while admitting one request: that request fails
@@ -204,6 +205,6 @@ class EngineSupervisor:
                 break
             kind, arg = cmd
             if kind == "add":
-                self._send([(arg[0], error)], 1)
+                self._send([(arg.request_id, error)], 1)
             elif kind == "stop":
                 self.stopping.set()

@@ -32,7 +32,7 @@ async def dashboard(request: Request) -> Response:
     auth = dashboard_auth(request)
     if auth is None:
         raise _disabled()
-    if auth.session(request) is None:
+    if await auth.session(request) is None:
         return RedirectResponse(LOGIN, status_code=303)
     return page("index.html")
 
@@ -42,7 +42,7 @@ async def login_page(request: Request) -> Response:
     auth = dashboard_auth(request)
     if auth is None:
         raise _disabled()
-    if auth.session(request) is not None:
+    if await auth.session(request) is not None:
         return RedirectResponse("/admin/ui", status_code=303)
     return page("login.html", error="", hidden="hidden")
 

@@ -3,7 +3,8 @@
 The admin key travels once, in a POST body (a form field or JSON), never in a URL, and is never
 logged or echoed; it buys a signed session cookie (HttpOnly, SameSite=Strict, Path=/admin, Secure
 over HTTPS). Failed sign-ins are limited per client address (ui.max_failed_signins, then
-ui.signin_lockout seconds of 429 whatever the key).
+ui.signin_lockout seconds of 429 whatever the key), counted together with wrong bearer keys on
+/admin (deps.admin_key): the two paths share one budget.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ async def login(request: Request) -> Response:
 async def session_info(request: Request, response: Response) -> SessionInfo:
     auth = _auth(request)
     response.headers["cache-control"] = "no-store"
-    session = auth.session(request)
+    session = await auth.session(request)
     if session is None:
         raise GatewayError(401, "Not signed in (or the session expired).", code="invalid_api_key")
     return SessionInfo(
@@ -112,9 +113,9 @@ async def session_info(request: Request, response: Response) -> SessionInfo:
 @router.post("/logout", summary="Sign the dashboard out: the session ends and its cookie is cleared")
 async def logout(request: Request) -> Response:
     auth = _auth(request)
-    session = auth.authorize(request)  # a cross-site page may not sign an operator out either
+    session = await auth.authorize(request)  # a cross-site page may not sign an operator out either
     if session is not None:
-        auth.signer.revoke(session)
+        await auth.sign_out(session)
         logger.info("dashboard sign-out")
     response = Response(status_code=204, headers=dict(SECURITY_HEADERS))
     auth.clear_cookie(response, request)

@@ -1,4 +1,9 @@
-"""/healthz (the process is alive), /readyz (models loaded, backends and store reachable), /metrics."""
+"""/healthz (the process is alive), /readyz (models loaded, backends and store reachable), /metrics.
+
+/readyz tells anyone whether the gateway is ready (its status code and `status`); what each check
+found (backend names and states, the store's spool path) only the admin key or a dashboard session
+sees.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
-from specgate.gateway.http.deps import ServicesDep
+from specgate.gateway.http.deps import AdminViewDep, ServicesDep
 from specgate.gateway.http.responses import SafeJSONResponse
 
 router = APIRouter()
@@ -19,7 +24,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(svc: ServicesDep) -> JSONResponse:
+async def readyz(svc: ServicesDep, admin: AdminViewDep) -> JSONResponse:
     backends = svc.registry.status()
     checks: dict[str, Any] = {}
     embedded = svc.registry.embedded
@@ -32,7 +37,9 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
         ok, detail = await check()
         checks[name] = {"ok": ok, "detail": detail}
     ready = all(c["ok"] for c in checks.values())
-    body = {"status": "ready" if ready else "not_ready", "checks": checks, "backends": backends}
+    body: dict[str, Any] = {"status": "ready" if ready else "not_ready"}
+    if admin:
+        body.update(checks=checks, backends=backends)
     return SafeJSONResponse(body, status_code=200 if ready else 503)
 
 

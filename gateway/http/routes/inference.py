@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specgate.gateway.backends.base import Kind
 from specgate.gateway.http import body
-from specgate.gateway.http.deps import api_key
+from specgate.gateway.http.deps import api_key, hold
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.serving import handle
 from specgate.gateway.protocol.errors import GatewayError
@@ -56,6 +56,9 @@ def endpoint(op: Operation) -> ASGIApp:
         svc: Services = scope["app"].state.services
         key = await api_key(request, svc)
         parsed = await body.parse(request, op.model)
+        if parsed.stream:
+            limit = svc.tenant_limits(key if svc.api_keys else None).max_streams
+            hold(request, svc.in_flight, f"stream:{request.state.tenant}", limit, "streams")
         response = await handle(svc, request, parsed, op.kind, key)
         await response(scope, receive, send)
 

@@ -7,10 +7,9 @@ only an id, its issue and expiry times and a signature. A CSRF token is derived 
 with the same key: it is handed to the page (never set as a cookie), and actions that change
 anything must send it back in a header that a cross-site form cannot set.
 
-Signing out revokes the session id until the cookie would have expired anyway. With one process
-the revoked ids are kept here; with several worker processes (`specgate serve --workers N`) in
-shared memory too (`shared`, shared_limits.py), so a signed-out cookie is refused by every worker,
-not just the one that saw the sign-out.
+Signing out revokes the session id until the cookie would have expired anyway. The revoked ids are
+kept here, in shared memory with several worker processes (`shared`, shared_limits.py), and in the
+telemetry database (dashboard_auth.py), which every replica and restart reads.
 """
 
 from __future__ import annotations
@@ -99,9 +98,13 @@ class SessionSigner:
         return hmac.compare_digest(token.encode("ascii", "replace"), self.csrf_token(session).encode())
 
     def revoke(self, session: Session) -> None:
-        now = time.time()
         if self.shared is not None:
             self.shared.add(session.sid, session.expires)
+        self.forget(session)
+
+    def forget(self, session: Session) -> None:
+        """Refuse `session` in this process from now on (it was signed out, here or elsewhere)."""
+        now = time.time()
         self._revoked[session.sid] = session.expires
         while self._revoked and (
             len(self._revoked) > MAX_REVOKED or next(iter(self._revoked.values())) <= now

@@ -28,7 +28,7 @@ from tests.gateway.fake_upstream import (
     openai_client,
     running_gateway,
 )
-from tests.gateway.live import LiveGateway, record_of, start_gateway, wait_for
+from tests.gateway.live import ADMIN_HEADERS, LiveGateway, readiness, record_of, start_gateway, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,8 +82,7 @@ def sse_events(raw: str) -> list[Any]:
 
 
 def readyz(live: LiveGateway) -> dict[str, Any]:
-    body: dict[str, Any] = HTTP.get(f"{live.url}/readyz").json()
-    return body
+    return readiness(live.url)
 
 
 def metrics_text(live: LiveGateway) -> str:
@@ -548,7 +547,7 @@ def test_open_breaker_answers_503_without_calling_upstream(fake: FakeUpstream) -
     with serve(fake, max_retries=0, breaker_failures=2, breaker_cooldown=5.0) as live:
         assert [chat(live).status_code for _ in range(2)] == [502, 502]
         r = chat(live)
-        ready = HTTP.get(f"{live.url}/readyz")
+        ready = HTTP.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
         text = metrics_text(live)
     assert r.status_code == 503
     assert "circuit open" in r.json()["error"]["message"]

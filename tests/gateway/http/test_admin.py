@@ -17,7 +17,7 @@ from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
 from tests.policies import synthetic_telemetry as synth
 
-ADMIN = {"authorization": "Bearer admin-secret"}
+ADMIN = {"authorization": "Bearer admin-secret-0123456789"}
 CODE = "Write a Python function that merges two sorted lists and returns the merged list."
 CHAT = "Write a short poem about the first snow of winter."
 
@@ -25,7 +25,7 @@ CHAT = "Write a short poem about the first snow of winter."
 def settings(model_dir: Path, db: str) -> Any:
     return tiny_settings(
         str(model_dir),
-        admin_key="admin-secret",
+        admin_key="admin-secret-0123456789",
         api_keys=["user-key"],
         telemetry={"url": db, "auto_upgrade": True, "flush_interval": 0.05},
         policy={"seed": 0},
@@ -263,7 +263,7 @@ def test_without_telemetry_versions_live_in_memory(tiny_llama_dir: Path) -> None
         str(tiny_llama_dir),
         embedded={"enabled": False},
         telemetry={"enabled": False},
-        admin_key="admin-secret",
+        admin_key="admin-secret-0123456789",
     )
     gw = start_gateway(s, wait_ready=False)
     try:

@@ -18,7 +18,7 @@ from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
-ADMIN = {"authorization": "Bearer adm-series"}
+ADMIN = {"authorization": "Bearer adm-series-0123456789"}
 STEP = 60.0
 
 
@@ -76,7 +76,7 @@ def live(db_url: str) -> Iterator[tuple[LiveGateway, float]]:
         tiny_settings(
             "unused",
             embedded={"enabled": False},
-            admin_key="adm-series",
+            admin_key="adm-series-0123456789",
             telemetry={"url": db_url, "auto_upgrade": True},
         ),
         wait_ready=False,
@@ -191,7 +191,10 @@ def test_auth_and_openapi(live: tuple[LiveGateway, float]) -> None:
 def test_without_telemetry_the_series_are_a_409() -> None:
     gw = start_gateway(
         tiny_settings(
-            "unused", embedded={"enabled": False}, admin_key="adm-series", telemetry={"enabled": False}
+            "unused",
+            embedded={"enabled": False},
+            admin_key="adm-series-0123456789",
+            telemetry={"enabled": False},
         ),
         wait_ready=False,
     )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specgate.gateway.http.auth import check_key, key_id
+from specgate.gateway.http.auth import check_key
+from specgate.gateway.keyring import KeyIds
 from specgate.gateway.limits import RateLimiter
 from specgate.gateway.protocol.errors import GatewayError
 
@@ -13,9 +14,19 @@ def test_check_key() -> None:
     assert check_key("a", ["b", "a"]) and not check_key("c", ["a", "b"]) and not check_key(None, ["a"])
 
 
-def test_key_id_hides_the_key() -> None:
-    assert key_id("sk-123") == key_id("sk-123") != key_id("sk-124")
-    assert "sk-123" not in key_id("sk-123")
+def test_key_ids_are_keyed_fingerprints() -> None:
+    ids, other = KeyIds(b"s" * 32), KeyIds(b"t" * 32)
+    assert ids.of("sk-123") == ids.of("sk-123") != ids.of("sk-124")
+    assert "sk-123" not in ids.of("sk-123")
+    # Under another secret the same key has another id: a copy of the rows alone tells nothing.
+    assert ids.of("sk-123") != other.of("sk-123")
+    # Not the bare hash the rows carried before: nothing to guess offline without the secret.
+    import hashlib
+
+    bare = hashlib.sha256(b"sk-123").hexdigest()
+    assert bare[:12] not in ids.of("sk-123") and ids.of("sk-123").startswith("key-")
+    with pytest.raises(ValueError):
+        KeyIds(b"short")
 
 
 def test_rate_limiter_bursts_then_refills() -> None:

@@ -16,7 +16,7 @@ from specgate.gateway.http.app import create_app
 from specgate.gateway.http.ui.session import SessionSigner
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings
 
-KEY = "adm-Auth-51c0"
+KEY = "adm-Auth-51c0-0123456789"
 
 
 def gateway(**ui: Any) -> LiveGateway:
@@ -110,12 +110,25 @@ def test_failed_sign_ins_are_limited(live: LiveGateway) -> None:
     assert "set-cookie" not in locked.headers
     page = httpx.post(f"{live.url}/admin/ui/login", data={"key": KEY})
     assert page.status_code == 429 and "Too many failed sign-ins" in page.text
-    # The bearer admin API is not locked out.
+    # The bearer admin path shares the budget: no way around the lockout, the right key included.
+    bearer = httpx.get(f"{live.url}/admin/policy", headers={"authorization": f"Bearer {KEY}"})
+    assert bearer.status_code == 429 and int(bearer.headers["retry-after"]) >= 1
+    live.app.state.dashboard.guard.succeeded("127.0.0.1")
+    assert sign_in(live).status_code == 200
+
+
+def test_wrong_bearer_admin_keys_lock_the_sign_in_form_too(live: LiveGateway) -> None:
+    for i in range(3):
+        r = httpx.get(f"{live.url}/admin/policy", headers={"authorization": f"Bearer guess-{i}"})
+        assert r.status_code == 401
+    assert (
+        httpx.get(f"{live.url}/admin/policy", headers={"authorization": f"Bearer {KEY}"}).status_code == 429
+    )
+    assert sign_in(live, KEY).status_code == 429
+    live.app.state.admin_guard.succeeded("127.0.0.1")
     assert (
         httpx.get(f"{live.url}/admin/policy", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     )
-    live.app.state.dashboard.guard.succeeded("127.0.0.1")
-    assert sign_in(live).status_code == 200
 
 
 def test_actions_need_the_csrf_token_and_this_origin(live: LiveGateway) -> None:
@@ -162,12 +175,47 @@ def test_every_process_with_the_key_accepts_the_session(live: LiveGateway) -> No
     finally:
         twin.stop()
     other = start_gateway(
-        tiny_settings("unused", embedded={"enabled": False}, admin_key="adm-other"), wait_ready=False
+        tiny_settings("unused", embedded={"enabled": False}, admin_key="adm-other-0123456789"),
+        wait_ready=False,
     )
     try:
         assert httpx.get(f"{other.url}/admin/policy", cookies=cookies).status_code == 401
     finally:
         other.stop()
+
+
+def test_a_signed_out_cookie_stays_refused_by_other_replicas_and_after_a_restart(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def replica() -> LiveGateway:
+        settings = tiny_settings(
+            "unused",
+            embedded={"enabled": False},
+            telemetry={"url": url, "auto_upgrade": True},
+            admin_key=KEY,
+            log_requests=False,
+        )
+        return start_gateway(settings, wait_ready=False)
+
+    a, b = replica(), replica()
+    try:
+        cookies, token = session(a)
+        assert httpx.get(f"{b.url}/admin/policy", cookies=cookies).status_code == 200
+        out = httpx.post(f"{a.url}/admin/ui/logout", cookies=cookies, headers={"x-csrf-token": token})
+        assert out.status_code == 204
+        # The other replica never saw the sign-out, yet refuses the cookie at once.
+        assert httpx.get(f"{b.url}/admin/policy", cookies=cookies).status_code == 401
+        assert httpx.get(f"{b.url}/admin/ui/session", cookies=cookies).status_code == 401
+    finally:
+        a.stop()
+        b.stop()
+    again = replica()  # a restart: no memory of the sign-out but the database's
+    try:
+        assert httpx.get(f"{again.url}/admin/policy", cookies=cookies).status_code == 401
+        fresh, _ = session(again)
+        assert httpx.get(f"{again.url}/admin/policy", cookies=fresh).status_code == 200
+    finally:
+        again.stop()
 
 
 def test_expired_and_junk_cookies(live: LiveGateway) -> None:
@@ -236,6 +284,7 @@ def test_a_session_is_not_locked_out_by_its_addresss_refusals() -> None:
             admin_key=KEY,
             refused_rpm=60,  # bursts of ten refusals
             trusted_proxies=["127.0.0.1"],
+            ui={"max_failed_signins": 50},  # this test is about the refusal budget, not the guard
         ),
         wait_ready=False,
     )

@@ -7,7 +7,7 @@ import contextlib
 import httpx
 import openai
 
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import ADMIN_HEADERS, LiveGateway, readiness
 
 
 def test_models(client: openai.OpenAI, model_name: str) -> None:
@@ -20,9 +20,12 @@ def test_models(client: openai.OpenAI, model_name: str) -> None:
 def test_health_and_readiness(gateway: LiveGateway) -> None:
     assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{gateway.url}/readyz")
-    assert ready.status_code == 200
-    body = ready.json()
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}  # anyone: ready or not
+    body = readiness(gateway.url)  # the operator: what each check found
     assert body["status"] == "ready" and body["checks"]["embedded_model"]["state"] == "ready"
+    assert body["checks"]["store"]["detail"] and "backends" in body
+    wrong = httpx.get(f"{gateway.url}/readyz", headers={"authorization": "Bearer not-the-admin-key"})
+    assert wrong.json() == {"status": "ready"}
 
 
 def test_readiness_fails_when_a_check_fails(gateway: LiveGateway) -> None:
@@ -31,8 +34,9 @@ def test_readiness_fails_when_a_check_fails(gateway: LiveGateway) -> None:
 
     gateway.services.readiness["store"] = store_down
     try:
-        r = httpx.get(f"{gateway.url}/readyz")
+        r = httpx.get(f"{gateway.url}/readyz", headers=ADMIN_HEADERS)
         assert r.status_code == 503 and r.json()["checks"]["store"]["detail"] == "connection refused"
+        assert httpx.get(f"{gateway.url}/readyz").json() == {"status": "not_ready"}
     finally:
         del gateway.services.readiness["store"]
     assert httpx.get(f"{gateway.url}/readyz").status_code == 200

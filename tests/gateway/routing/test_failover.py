@@ -23,7 +23,7 @@ from tests.gateway.fake_upstream import (
     openai_client,
     running_gateway,
 )
-from tests.gateway.live import LiveGateway, free_port, wait_for
+from tests.gateway.live import ADMIN_HEADERS, LiveGateway, free_port, readiness, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,8 +69,7 @@ def ask(live: LiveGateway, stream: bool) -> tuple[str, str]:
 
 
 def readyz(live: LiveGateway) -> dict[str, Any]:
-    body: dict[str, Any] = HTTP.get(f"{live.url}/readyz").json()
-    return body
+    return readiness(live.url)
 
 
 def breaker(live: LiveGateway, name: str) -> str:
@@ -189,7 +188,7 @@ def test_all_backends_down_is_503_with_retry_after(stream: bool) -> None:
     ) as live:
         body = {"model": MODEL, "messages": MESSAGES, "stream": stream}
         r = HTTP.post(f"{live.url}/v1/chat/completions", json=body)
-        ready = HTTP.get(f"{live.url}/readyz")
+        ready = HTTP.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
         with pytest.raises(openai.InternalServerError) as exc:
             ask(live, stream)
     assert r.status_code == 503
@@ -272,7 +271,7 @@ def test_health_probe_closes_the_breaker_when_the_backend_comes_back(a: FakeUpst
         refused = HTTP.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
         a.start()  # the same port
         assert wait_for(lambda: breaker(live, "a") == "closed", 5), readyz(live)["backends"]["a"]
-        ready = HTTP.get(f"{live.url}/readyz")
+        ready = HTTP.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
         served = ask(live, False)
     assert refused.status_code == 503 and "circuit open" in refused.json()["error"]["message"]
     assert ready.status_code == 200 and ready.json()["backends"]["a"]["healthy"] is True
@@ -286,10 +285,10 @@ def test_without_background_probes_a_failed_startup_probe_does_not_stick(a: Fake
     with running_gateway(
         backend("a", a, models={MODEL: "a-model"}, health_interval=0), wait_ready=False
     ) as live:
-        before = HTTP.get(f"{live.url}/readyz")
+        before = HTTP.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
         a.models_status = 200
         served = [ask(live, False), ask(live, True)]
-        after = HTTP.get(f"{live.url}/readyz")
+        after = HTTP.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
     assert before.status_code == 503
     assert served == [(A_TEXT, "a")] * 2  # it serves fine
     assert after.json()["backends"]["a"]["healthy"] is True, after.json()["backends"]["a"]

@@ -23,7 +23,7 @@ from tests.gateway.pg import postgres_database
 from tests.policies import synthetic_telemetry as synth
 
 pytestmark = pytest.mark.timeout(180)
-ADMIN = "adm-replicas"
+ADMIN = "adm-replicas-01234567"
 HEADERS = {"authorization": f"Bearer {ADMIN}"}
 
 

@@ -14,7 +14,7 @@ from specgate.bench.tcp_proxy import behind_proxy
 from specgate.gateway.cli.main import main
 from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.tables import requests
-from tests.gateway.live import start_gateway, tiny_settings
+from tests.gateway.live import TEST_ADMIN_KEY, readiness, start_gateway, tiny_settings
 
 
 def rows(url: str) -> dict[str, dict]:
@@ -38,7 +38,7 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
         "retry_interval": 0.1,
         "spec_steps_sample_rate": 1.0,
     }
-    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry))
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), telemetry=telemetry, admin_key=TEST_ADMIN_KEY))
     model = tiny_llama_dir.name
 
     def call(i: int) -> int:
@@ -60,7 +60,7 @@ def test_every_request_leaves_exactly_one_row_across_a_database_outage(
             first = list(pool.map(call, range(40)))
             proxy.stop()  # PostgreSQL goes away in the middle of the burst
             second = list(pool.map(call, range(40, 100)))
-            ready = httpx.get(f"{live.url}/readyz").json()
+            ready = readiness(live.url)
             assert ready["checks"]["store"]["ok"] is False
             assert "backlog" in ready["checks"]["store"]["detail"]
             assert "quarantined 0" in ready["checks"]["store"]["detail"]

@@ -81,23 +81,38 @@ def test_one_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0007"]
+    assert heads == ["0008"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0007"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0008"
     tables, views = _tables(db_url)
-    assert {"requests", "spec_steps", "policy_versions", "telemetry_quarantine", "alembic_version"} <= tables
+    assert {
+        "requests",
+        "spec_steps",
+        "policy_versions",
+        "telemetry_quarantine",
+        "dashboard_revocations",
+        "alembic_version",
+    } <= tables
     assert views == VIEWS
     schema.downgrade(db_url, "base")
     assert schema.current_revision(engine) is None
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0007"
+    assert schema.current_revision(engine) == "0008"
+    # One step down removes the sign-out table, nothing else; request rows survive it.
+    _insert_request(db_url)
+    schema.downgrade(db_url, "0007")
+    assert "dashboard_revocations" not in _tables(db_url)[0] and _request_ids(db_url) == ["r-0005"]
+    _delete_requests(db_url)
+    schema.upgrade(db_url)
+    assert "dashboard_revocations" in _tables(db_url)[0]
+    schema.downgrade(db_url, "0007")
     # One step down removes the affinity columns, nothing else; rows written at 0007 survive it.
     affinity = {"affinity_group", "affinity_source", "affinity_hit", "propensity"}
     _insert_request(db_url, affinity_group="g", affinity_source="user", affinity_hit=True, propensity=0.5)
@@ -148,8 +163,32 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0007"
+    assert schema.current_revision(engine) == "0008"
     engine.dispose()
+
+
+def test_0008_replaces_bare_key_hashes_with_labels_that_group_but_reveal_nothing(db_url: str) -> None:
+    import hashlib
+
+    schema.upgrade(db_url, "0007")
+    bare = {k: "key-" + hashlib.sha256(k.encode()).hexdigest()[:12] for k in ("sk-a", "sk-b")}
+    for i, key in enumerate(("sk-a", "sk-a", "sk-b")):
+        _insert_request(db_url, request_id=f"r{i}", api_key_id=bare[key])
+    _insert_request(db_url, request_id="r-open", api_key_id=None)
+    schema.upgrade(db_url)
+    ids = dict(
+        zip(
+            _select(db_url, "SELECT request_id FROM requests ORDER BY request_id"),
+            _select(db_url, "SELECT api_key_id FROM requests ORDER BY request_id"),
+            strict=True,
+        )
+    )
+    assert ids["r-open"] is None
+    assert ids["r0"] == ids["r1"] != ids["r2"]  # one key's rows still group together
+    for rid in ("r0", "r2"):
+        label = str(ids[rid])
+        assert label.startswith("legacy-") and label not in bare.values()
+        assert not any(h[4:] in label for h in bare.values())
 
 
 def test_no_drift_between_models_and_migrations(db_url: str) -> None:
@@ -181,7 +220,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0007"
+    assert schema.current_revision(lite) == "0008"
     lite.dispose()
 
 
@@ -189,7 +228,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0007" in out.stdout
+    assert "current: 0008" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -198,4 +237,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0007 (head)" in out.stdout
+    assert "0008 (head)" in out.stdout

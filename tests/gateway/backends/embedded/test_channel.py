@@ -45,3 +45,75 @@ def test_a_large_send_is_buffered_not_blocking_and_arrives_whole() -> None:
         assert channel.closed
 
     asyncio.run(run())
+
+
+def test_a_frame_header_over_the_cap_is_refused_before_anything_is_allocated() -> None:
+    import struct
+
+    import pytest
+
+    from specgate.gateway.backends.embedded.channel import MAX_FRAME, FrameTooLarge
+
+    frames = Frames()
+    with pytest.raises(FrameTooLarge):
+        frames.feed(struct.pack("!Q", MAX_FRAME + 1) + b"x" * 16)
+    ours, theirs = socket.socketpair()
+    peer = Channel(theirs)
+    ours.sendall(struct.pack("!Q", 2**62))  # a header announcing exabytes
+    with pytest.raises(EOFError, match="limit"):
+        peer.get(1.0)
+    ours.close()
+    theirs.close()
+
+
+def test_the_core_socket_is_private_and_refuses_other_users(tmp_path: object) -> None:
+    import os
+    import stat
+    from pathlib import Path
+
+    from specgate.gateway.backends.embedded.hub import same_user
+    from specgate.gateway.cli.workers import bind_unix
+
+    path = str(Path(str(tmp_path)) / "engine.sock")
+    listener = bind_unix(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)
+        conn, _ = listener.accept()
+        assert same_user(conn)  # the same uid: accepted
+        conn.close()
+        client.close()
+    finally:
+        listener.close()
+    if os.getuid() != 0:
+        return  # only root can make a connection from another uid to check the second guard
+    # With the file's mode opened up, a process of another user reaches the socket: its uid says no.
+    import tempfile
+
+    where = tempfile.mkdtemp()  # under /tmp: a directory the other user can pass through
+    os.chmod(where, 0o755)
+    open_path = os.path.join(where, "open.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(open_path)
+    os.chmod(open_path, 0o777)
+    listener.listen(1)
+    listener.settimeout(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child only drops its uid and connects)
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(open_path)
+            s.recv(1)
+        finally:
+            os._exit(0)
+    try:
+        conn, _ = listener.accept()
+        assert not same_user(conn)
+        conn.close()
+    finally:
+        os.waitpid(pid, 0)
+        listener.close()
+        os.unlink(open_path)
+        os.rmdir(where)

@@ -20,7 +20,14 @@ import pytest
 from specgate.engine.config import EngineConfig
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
 from specgate.gateway.backends.embedded.process import EngineProcess
-from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
+from tests.gateway.live import (
+    ADMIN_HEADERS,
+    TEST_ADMIN_KEY,
+    LiveGateway,
+    start_gateway,
+    tiny_settings,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(120)
 LONG = {"max_tokens": 480, "ignore_eos": True}  # about all the tiny model's context allows
@@ -29,7 +36,12 @@ LONG = {"max_tokens": 480, "ignore_eos": True}  # about all the tiny model's con
 @pytest.fixture(scope="module")
 def core(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
     live = start_gateway(
-        tiny_settings(str(tiny_llama_dir), embedded={"engine_process": True}, log_requests=False)
+        tiny_settings(
+            str(tiny_llama_dir),
+            embedded={"engine_process": True},
+            log_requests=False,
+            admin_key=TEST_ADMIN_KEY,
+        )
     )
     yield live
     live.stop()
@@ -74,7 +86,7 @@ def test_a_stream_through_the_core_is_token_for_token_thread_mode(
     served = _stream_text(core, body)
     assert served and served == _stream_text(gateway, body)  # `gateway`: thread mode, same model
     assert proc.load.steps > 0  # the load figures come back with each step
-    ready = httpx.get(f"{core.url}/readyz").json()["checks"]["embedded_model"]
+    ready = httpx.get(f"{core.url}/readyz", headers=ADMIN_HEADERS).json()["checks"]["embedded_model"]
     assert ready["state"] == "ready" and ready["num_running"] == 0
     assert "specgate" in httpx.get(f"{core.url}/metrics").text
 
@@ -125,7 +137,7 @@ def test_a_killed_core_is_a_retryable_503_and_a_new_core_serves(core: LiveGatewa
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["code"] in ("engine_restarting", "model_not_ready")
     assert wait_for(lambda: backend.worker is not proc and backend.healthy, 60)
-    assert httpx.get(f"{core.url}/readyz").status_code == 200 and backend.restarts == 1
+    assert httpx.get(f"{core.url}/readyz", headers=ADMIN_HEADERS).status_code == 200 and backend.restarts == 1
     ok = httpx.post(f"{core.url}/v1/chat/completions", json=_body(model_name, max_tokens=5), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
     assert proc.process.exitcode == -signal.SIGKILL  # reaped: no zombie

@@ -64,11 +64,11 @@ def test_the_add_command_carries_scope_and_salt_to_the_engine(scope: str | None,
     assert deliveries == []  # admitted, not refused
     ((args, kw),) = engine.added
     assert args == ("r1", [1, 2, 3], params, spec)
-    assert kw == {"cache_scope": scope, "prefix_salt": salt}
+    assert kw == {"cache_scope": scope, "prefix_salt": salt, "tenant": ""}
 
 
 def test_a_handle_shares_by_default_as_the_engine_does() -> None:
     handle = _Recorder()
     handle.submit("r1", [1], SamplingParams(max_tokens=1), None)
     ((kind, arg),) = handle.sent
-    assert kind == "add" and arg[-2:] == ("", "")
+    assert kind == "add" and (arg.cache_scope, arg.prefix_salt, arg.tenant) == ("", "", "")

@@ -12,14 +12,21 @@ import pytest
 
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
 from specgate.gateway.backends.embedded.worker import EngineWorker
-from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
+from tests.gateway.live import (
+    ADMIN_HEADERS,
+    TEST_ADMIN_KEY,
+    LiveGateway,
+    start_gateway,
+    tiny_settings,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def live(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
-    gw = start_gateway(tiny_settings(str(tiny_llama_dir), log_requests=False))
+    gw = start_gateway(tiny_settings(str(tiny_llama_dir), log_requests=False, admin_key=TEST_ADMIN_KEY))
     yield gw
     gw.stop()
 
@@ -57,12 +64,12 @@ def test_a_broken_engine_is_rebuilt_and_readyz_says_so(live: LiveGateway, tiny_l
     assert all(r.status_code in (500, 503) for r in failures)
     assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in failures)
     assert wait_for(lambda: worker.state == "rebuilding", 10)
-    ready = httpx.get(f"{live.url}/readyz")
+    ready = httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS)
     assert ready.status_code == 503 and ready.json()["checks"]["embedded_model"]["state"] == "rebuilding"
     during = _chat(live, model)
     assert during.status_code == 503 and during.json()["error"]["code"] == "model_not_ready"
     assert int(during.headers["retry-after"]) >= 1
-    assert wait_for(lambda: httpx.get(f"{live.url}/readyz").status_code == 200, 30)
+    assert wait_for(lambda: httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS).status_code == 200, 30)
     assert _chat(live, model).status_code == 200
     assert backend.status()["rebuilds"] == 1 and worker.engine.consecutive_forward_failures == 0
 
@@ -85,4 +92,7 @@ def test_a_dead_engine_thread_is_replaced(live: LiveGateway, tiny_llama_dir: Pat
     )
     assert wait_for(lambda: backend.worker is not old and backend.healthy, 30)
     assert _chat(live, model).status_code == 200
-    assert httpx.get(f"{live.url}/readyz").status_code == 200 and backend.status()["rebuilds"] == 1
+    assert (
+        httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS).status_code == 200
+        and backend.status()["rebuilds"] == 1
+    )

@@ -11,7 +11,7 @@ from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.tables import requests
 from tests.gateway.live import LiveGateway
 
-KEY = "adm-Dash-7f3a9c"
+KEY = "adm-Dash-7f3a9c-0123456789"
 ADMIN = {"authorization": f"Bearer {KEY}"}
 CODE = "Write a Python function that merges two sorted lists and returns the merged list."
 PAGES = ("traffic", "speculation", "policy", "explain", "backends")

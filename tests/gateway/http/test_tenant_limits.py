@@ -1,0 +1,156 @@
+"""No tenant can starve another: caps on requests in flight and streams open per key (per address in
+open mode), configurable per key, and an engine whose batch slots and queue are shared fairly. A hog
+tenant beside a victim tenant, against a live gateway."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from specgate.gateway.limits import ConcurrencyLimiter
+from specgate.gateway.settings import Settings
+from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
+
+HOG, VICTIM, SMALL = "sk-hog-0001", "sk-victim-0001", "sk-small-0001"
+
+
+@pytest.fixture(scope="module")
+def tenants(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
+    live = start_gateway(
+        tiny_settings(
+            str(tiny_llama_dir),
+            api_keys=[HOG, VICTIM, {"key": SMALL, "max_in_flight": 2, "max_streams": 1}],
+            max_in_flight_per_key=12,
+            max_streams_per_key=12,
+            log_requests=False,
+            embedded={"max_num_seqs": 4, "max_waiting": 8},
+        )
+    )
+    yield live
+    live.stop()
+
+
+def _body(live: LiveGateway, tokens: int, stream: bool = False) -> dict[str, Any]:
+    model = live.services.registry.embedded.served_name  # type: ignore[union-attr]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def _post(live: LiveGateway, key: str, tokens: int, stream: bool = False) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.post(
+        f"{live.url}/v1/chat/completions", json=_body(live, tokens, stream), headers=headers, timeout=120
+    )
+
+
+def _hog(live: LiveGateway, n: int, tokens: int) -> tuple[list[threading.Thread], list[int]]:
+    statuses: list[int] = []
+
+    def one() -> None:
+        statuses.append(_post(live, HOG, tokens).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, statuses
+
+
+def test_a_key_over_its_cap_gets_429_with_retry_after_and_others_do_not(tenants: LiveGateway) -> None:
+    threads, statuses = _hog(tenants, 16, 120)  # more than its 12 in flight
+    worker = tenants.services.registry.embedded.worker  # type: ignore[union-attr]
+    assert wait_for(lambda: worker is not None and worker.load.num_running == 4, 30)
+    assert wait_for(lambda: statuses.count(429) >= 4, 30)
+    refused = _post(tenants, HOG, 2)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    # The victim is another key: its own cap, and a batch slot as soon as one is fair.
+    start = time.monotonic()
+    r = _post(tenants, VICTIM, 2)
+    assert r.status_code == 200
+    assert time.monotonic() - start < 10
+    for t in threads:
+        t.join(120)
+    assert statuses.count(200) == 12 and statuses.count(429) == 4
+    # Every slot came back: the key may send again.
+    assert tenants.services.in_flight.count(f"req:{tenants.services.key_ids.of(HOG)}") == 0
+    assert _post(tenants, HOG, 2).status_code == 200
+
+
+def test_the_victims_short_request_overtakes_the_hogs_queue(tenants: LiveGateway) -> None:
+    threads, statuses = _hog(tenants, 12, 150)  # every batch slot and the whole queue
+    worker = tenants.services.registry.embedded.worker  # type: ignore[union-attr]
+    assert wait_for(lambda: worker is not None and worker.num_waiting >= 8, 30)
+    start = time.monotonic()
+    r = _post(tenants, VICTIM, 2)  # the queue is full, but not with the victim's requests
+    took = time.monotonic() - start
+    hog_done = statuses.count(200)
+    assert r.status_code == 200, r.text
+    # Served ahead of the hog's queued requests (a hog request was preempted for it), not after.
+    assert hog_done <= 4 and took < 10
+    assert r.json()["usage"]["completion_tokens"] == 2
+    for t in threads:
+        t.join(120)
+    assert statuses.count(200) == 12  # the hog lost nothing but its turn
+
+
+def test_a_key_with_limits_of_its_own(tenants: LiveGateway) -> None:
+    results: list[int] = []
+
+    def one(stream: bool) -> None:
+        results.append(_post(tenants, SMALL, 60, stream=stream).status_code)
+
+    first = threading.Thread(target=one, args=(True,))
+    first.start()
+    assert wait_for(
+        lambda: tenants.services.in_flight.count(f"stream:{tenants.services.key_ids.of(SMALL)}") == 1, 20
+    )
+    second_stream = _post(tenants, SMALL, 2, stream=True)
+    assert second_stream.status_code == 429  # one stream at a time for this key
+    assert "streams" in second_stream.json()["error"]["message"]
+    assert _post(tenants, SMALL, 2).status_code == 200  # a second request, not a stream, still fits
+    first.join(60)
+    assert results == [200]
+
+
+def test_open_mode_caps_per_client_address(tiny_llama_dir: Path) -> None:
+    live = start_gateway(tiny_settings(str(tiny_llama_dir), max_in_flight_per_key=1, log_requests=False))
+    try:
+        done: list[int] = []
+        t = threading.Thread(target=lambda: done.append(_post(live, "anything", 80).status_code))
+        t.start()
+        assert wait_for(lambda: live.services.in_flight.count("req:addr:127.0.0.1") == 1, 20)
+        assert _post(live, "another-made-up-key", 2).status_code == 429  # a new bearer buys nothing
+        t.join(60)
+        assert done == [200]
+    finally:
+        live.stop()
+
+
+def test_the_default_limits_are_out_of_a_single_users_way() -> None:
+    s = Settings()
+    assert s.max_in_flight_per_key >= s.embedded.max_num_seqs + s.embedded.max_waiting // 2
+    assert s.max_streams_per_key >= s.embedded.max_num_seqs
+
+
+def test_in_process_counts_go_back_to_nothing() -> None:
+    c = ConcurrencyLimiter()
+    assert c.acquire("a", 2) and c.acquire("a", 2) and not c.acquire("a", 2)
+    assert c.acquire("b", 0)  # 0: no cap, still counted
+    c.release("a")
+    assert c.count("a") == 1 and c.acquire("a", 2)
+    for key in ("a", "a", "b"):
+        c.release(key)
+    assert c.counts == {}
