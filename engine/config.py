@@ -58,6 +58,9 @@ class EngineConfig:
     # of n tokens runs the graph of the smallest size >= n, padded; larger steps run eagerly. Empty:
     # nothing is compiled. Compact decoder only; off in deterministic mode.
     compile_sizes: tuple[int, ...] = ()
+    # Whether `dtype` was "auto" (the runner may then pick float32 activations: with every weight
+    # matrix on the GGUF kernels, the activations' dtype costs no speed and float32 is exact-er).
+    dtype_auto: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -70,6 +73,7 @@ class EngineConfig:
             raise ValueError("device is cuda but torch sees no CUDA device")
         if self.dtype == "auto":
             self.dtype = _auto_dtype(self.device)
+            self.dtype_auto = True
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -115,6 +115,39 @@ def _converted_checkpoint(source: ModelSource, cache_dir: Path) -> Path:
     return target
 
 
+def load_config_and_tokenizer(source: ModelSource, cache_dir: str | None) -> tuple[Any, Any]:
+    """The configuration and tokenizer of a GGUF source, without its weights. Reading them from the
+    file takes seconds (the tokenizer is rebuilt from its vocabulary), so they are saved once next to
+    the conversion cache (`<key>-meta`, a few MB) and read from there afterwards."""
+    from transformers import AutoConfig
+
+    assert source.gguf_file is not None
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if cache_dir is not None:
+        converted = converted_dir(source, cache_dir)
+        for directory in (converted, converted.with_name(converted.name + "-meta")):
+            if (directory / "config.json").is_file() and (directory / "tokenizer_config.json").is_file():
+                config = AutoConfig.from_pretrained(directory, **kwargs)
+                return config, AutoTokenizer.from_pretrained(directory, **kwargs)
+    kwargs["gguf_file"] = source.gguf_file
+    config = AutoConfig.from_pretrained(source.directory, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF loader's bookkeeping, meaningless here
+    if cache_dir is not None:
+        target = converted_dir(source, cache_dir)
+        target = target.with_name(target.name + "-meta")
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=cache_dir))
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer
+
+
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: str, cache_dir: str | None
 ) -> tuple[Any, Any]:

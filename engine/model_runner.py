@@ -13,7 +13,7 @@ from specgate.engine.batch_layout import BatchLayout, ForwardItem
 from specgate.engine.config import EngineConfig
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
-from specgate.engine.models.build import build_model
+from specgate.engine.models.build import build_model, build_native, native_gguf
 from specgate.engine.models.compiled import CompiledSteps
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,20 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.source = resolve_model(config.model, config.gguf_file)
-        hf_model, self.tokenizer = load_model(
-            self.source, config.torch_dtype, config.device, config.convert_cache_dir
-        )
-        text_config = hf_model.config.get_text_config()
+        # A Llama-family GGUF file on CPU is served from its own blocks by the native kernels: only
+        # its configuration and tokenizer are loaded through transformers, never its weights.
+        self.native = native_gguf(config, self.source)
+        hf_model = None
+        if self.native is not None:
+            model_config, self.tokenizer = self.native
+            if config.dtype_auto:
+                config.dtype = "float32"
+        else:
+            hf_model, self.tokenizer = load_model(
+                self.source, config.torch_dtype, config.device, config.convert_cache_dir
+            )
+            model_config = hf_model.config
+        text_config = model_config.get_text_config()
         num_layers = text_config.num_hidden_layers
         heads = text_config.num_attention_heads
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
@@ -55,7 +65,14 @@ class ModelRunner:
             # Within the window, sliding attention equals full attention; beyond it we would be wrong.
             limits.append(int(window))
         self.max_model_len = min(limits)
-        self.model, self.compact = build_model(hf_model, config, self.source, self.max_model_len)
+        self.weight_bytes: int | None = None  # bytes of weights a decode step reads (native GGUF)
+        if self.native is not None:
+            self.model, self.weight_bytes = build_native(
+                model_config, config, self.source, self.max_model_len
+            )
+            self.compact = True
+        else:
+            self.model, self.compact = build_model(hf_model, config, self.source, self.max_model_len)
         del hf_model  # for the compact decoder, the last reference to the Hugging Face weights
         if self.compact and torch.cuda.is_available():
             torch.cuda.empty_cache()

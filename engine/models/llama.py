@@ -54,61 +54,112 @@ def _fuse(
 
 
 class CompactLayer(nn.Module):
-    def __init__(self, hf_layer: Any, prefix: str, plan: ModePlan, dtype: torch.dtype, pack: bool) -> None:
+    """One decoder block's operands: fused projections and the two norms' weights."""
+
+    def __init__(
+        self,
+        qkv: nn.Module,
+        o: nn.Module,
+        gate_up: nn.Module,
+        down: nn.Module,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        intermediate: int,
+    ) -> None:
         super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.input_norm = nn.Parameter(input_norm, requires_grad=False)
+        self.post_norm = nn.Parameter(post_norm, requires_grad=False)
+        self.intermediate = intermediate
+
+    @classmethod
+    def from_hf(
+        cls, hf_layer: Any, prefix: str, plan: ModePlan, dtype: torch.dtype, pack: bool
+    ) -> CompactLayer:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.qkv = _fuse(attn, f"{prefix}.self_attn", ("q_proj", "k_proj", "v_proj"), plan, dtype, pack)
-        self.o = _fuse(attn, f"{prefix}.self_attn", ("o_proj",), plan, dtype, pack)
-        self.gate_up = _fuse(mlp, f"{prefix}.mlp", ("gate_proj", "up_proj"), plan, dtype, pack)
-        self.down = _fuse(mlp, f"{prefix}.mlp", ("down_proj",), plan, dtype, pack)
-        self.input_norm = nn.Parameter(
-            hf_layer.input_layernorm.weight.detach().to(dtype), requires_grad=False
+        return cls(
+            _fuse(attn, f"{prefix}.self_attn", ("q_proj", "k_proj", "v_proj"), plan, dtype, pack),
+            _fuse(attn, f"{prefix}.self_attn", ("o_proj",), plan, dtype, pack),
+            _fuse(mlp, f"{prefix}.mlp", ("gate_proj", "up_proj"), plan, dtype, pack),
+            _fuse(mlp, f"{prefix}.mlp", ("down_proj",), plan, dtype, pack),
+            hf_layer.input_layernorm.weight.detach().to(dtype),
+            hf_layer.post_attention_layernorm.weight.detach().to(dtype),
+            mlp.gate_proj.out_features,
         )
-        self.post_norm = nn.Parameter(
-            hf_layer.post_attention_layernorm.weight.detach().to(dtype), requires_grad=False
-        )
-        self.intermediate = mlp.gate_proj.out_features
 
 
 class CompactCausalLM(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, hf_model: Any, plan: ModePlan, dtype: torch.dtype, pack: bool, max_len: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        embed: nn.Module,
+        layers: list[CompactLayer],
+        norm: torch.Tensor,
+        lm_head: nn.Module,
+        rotary: nn.Module,
+        max_len: int,
+        generation_config: Any = None,
+    ) -> None:
+        """From its parts (`from_hf` and models/gguf_model.py make them); `rotary`: the model's own
+        rotary embedding module, whose tables (scaling included) are computed once here."""
         super().__init__()
-        self.config = hf_model.config
-        self.generation_config = getattr(hf_model, "generation_config", None)
-        c = self.config.get_text_config()
+        self.config = config
+        self.generation_config = generation_config
+        c = config.get_text_config()
         self.heads = c.num_attention_heads
         self.kv_heads = getattr(c, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         self.eps = float(c.rms_norm_eps)
-        decoder = hf_model.get_decoder()
-        embed = hf_model.get_input_embeddings()
-        weight = embed.weight.detach().to(dtype)  # [vocab, hidden]
-        self.embed_tokens = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
-        layers = [
-            CompactLayer(layer, f"model.layers.{i}", plan, dtype, pack)
-            for i, layer in enumerate(decoder.layers)
-        ]
+        self.embed_tokens = embed
         self.layers = nn.ModuleList(layers)
         self._layers = layers  # typed: ModuleList items are plain nn.Modules to mypy
-        self.norm = nn.Parameter(decoder.norm.weight.detach().to(dtype), requires_grad=False)
-        head = hf_model.get_output_embeddings()
-        self.lm_head = make_linear(head.weight.detach(), head.bias, plan("lm_head.weight"), dtype, pack)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        self.lm_head = lm_head
         self.bind_layers()
-        cos, sin = _rotary_tables(decoder.rotary_emb, max_len, embed.weight.device)
+        cos, sin = _rotary_tables(rotary, max_len, norm.device)
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one roll instead of slices, neg and cat.
         half = self.head_dim // 2
         sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.register_buffer("cos", cos, persistent=False)  # [max_len, head_dim] fp32
         self.register_buffer("sin", sin_signed, persistent=False)
 
+    @classmethod
+    def from_hf(
+        cls, hf_model: Any, plan: ModePlan, dtype: torch.dtype, pack: bool, max_len: int
+    ) -> CompactCausalLM:
+        """From a loaded Hugging Face model, whose weights it copies (dense, int8 or int4 by `plan`)."""
+        decoder = hf_model.get_decoder()
+        embed = hf_model.get_input_embeddings()
+        weight = embed.weight.detach().to(dtype)  # [vocab, hidden]
+        embed_tokens = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
+        layers = [
+            CompactLayer.from_hf(layer, f"model.layers.{i}", plan, dtype, pack)
+            for i, layer in enumerate(decoder.layers)
+        ]
+        head = hf_model.get_output_embeddings()
+        lm_head = make_linear(head.weight.detach(), head.bias, plan("lm_head.weight"), dtype, pack)
+        norm = decoder.norm.weight.detach().to(dtype)
+        generation = getattr(hf_model, "generation_config", None)
+        return cls(
+            hf_model.config, embed_tokens, layers, norm, lm_head, decoder.rotary_emb, max_len, generation
+        )
+
     def bind_layers(self) -> None:
         """The per-layer operands as plain tuples: the forward loop then pays no nn.Module attribute
         lookups or __call__ hooks (thousands per step on a 30-layer model). Call again after
-        replacing a layer's module."""
+        replacing a layer's module. Where every projection runs on the GGUF kernels, the norms,
+        the SwiGLU and the residual adds are done inside their calls (`fused`)."""
+        from specgate.engine.models.quantized import GGUFLinear
+
+        self.fused = all(
+            isinstance(m, GGUFLinear)
+            for layer in self._layers
+            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         self._plan = [
             (
                 layer.qkv.forward,
@@ -157,6 +208,8 @@ class CompactCausalLM(nn.Module):
         keys and values and returns its attention output [num_tokens, heads, head_dim]. Plain code
         with no data-dependent control flow, so torch.compile traces it into one graph."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.fused:
+            return self._fused_hidden_states(x, positions, attend, compute)
         dtype = x.dtype
         # Queries and keys are rotated in attention's compute dtype (fp32 on CPU): one cast of the
         # fused qkv per layer, and the keys and values go into the pool without another.
@@ -175,6 +228,27 @@ class CompactCausalLM(nn.Module):
             hs = rms_norm(residual, post_norm, eps)
             gate_up = gate_up_proj(hs)  # [num_tokens, 2 * intermediate]
             residual = residual + down_proj(F.silu(gate_up[:, :m]) * gate_up[:, m:])
+        return rms_norm(residual, self.norm, eps)
+
+    def _fused_hidden_states(
+        self, x: torch.Tensor, positions: torch.Tensor, attend: Attend, compute: torch.dtype
+    ) -> torch.Tensor:
+        """`hidden_states` with each projection's norm, SwiGLU and residual add in its kernel call."""
+        dtype = x.dtype
+        cos = self.cos[positions].to(compute).unsqueeze(0)  # [1, num_tokens, head_dim]
+        sin = self.sin[positions].to(compute).unsqueeze(0)
+        n, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        residual, eps = x, self.eps
+        for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, _m) in enumerate(
+            self._plan
+        ):
+            qkv = qkv_proj(residual, input_norm, eps).to(compute).view(n, h + 2 * kv, d).transpose(0, 1)
+            qk = qkv[: h + kv]
+            qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin
+            attn = attend(i, qk[:h], qk[h:], qkv[h + kv :])  # [num_tokens, h, d]
+            residual = o_proj(attn.reshape(n, h * d).to(dtype), residual=residual)
+            gate_up = gate_up_proj(residual, post_norm, eps)  # [num_tokens, 2 * intermediate]
+            residual = down_proj(gate_up, gated=True, residual=residual)
         return rms_norm(residual, self.norm, eps)
 
 

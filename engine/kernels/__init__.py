@@ -1,0 +1,1 @@
+"""Native kernels: matrix products on GGUF-quantized weights (gguf_kernels.cpp, built by extension.py)."""

@@ -1,0 +1,104 @@
+// The ops of the native kernels (torch.ops.specgate_gguf): matrix products on GGUF blocks
+// (quantized_matmul.h), paged attention (attention.h) and a whole decoder stack per call
+// (decoder.h). One translation unit: the headers are this file's parts.
+
+#include "quantized_matmul.h"
+
+namespace sg {
+
+int64_t packed_row_bytes(int64_t type, int64_t in_features) { return row_shape(type, in_features).bytes; }
+
+at::Tensor repack(const at::Tensor& src, int64_t type, int64_t in_features) {
+  TORCH_CHECK(src.dtype() == at::kByte && src.dim() == 2 && src.is_contiguous(), "src must be uint8 [rows, bytes]");
+  Layout L = layout_of(type);
+  TORCH_CHECK(src.size(1) == in_features / L.src_block * L.src_bytes, "row bytes do not match the type");
+  int64_t rows = src.size(0), out_bytes = row_shape(type, in_features).bytes;
+  at::Tensor dst = at::empty({rows, out_bytes}, at::kByte);
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* d = dst.data_ptr<uint8_t>();
+  int64_t sb = src.size(1);
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) repack_row(type, s + r * sb, in_features, d + r * out_bytes);
+  });
+  return dst;
+}
+
+// Dense fp32 rows of a packed matrix (the embedding table's lookups; references in tests).
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, int64_t in_features, const at::Tensor& ids) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous(), "w must be packed uint8 rows");
+  RowShape rs = row_shape(type, in_features);
+  Layout L = layout_of(type);
+  at::Tensor idx = ids.to(at::kLong).contiguous();
+  int64_t n = idx.numel();
+  at::Tensor out = at::empty({n, in_features}, at::kFloat);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  int64_t rows = w.size(0);
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "row id out of range");
+  at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
+    uint8_t u[256];
+    float scale[16], bias[16];
+    for (int64_t i = a; i < b; i++) {
+      const uint8_t* row = wp + ip[i] * w.size(1);
+      float* dst = op + i * in_features;
+      for (int64_t s = 0; s < rs.n_sb; s++) {
+        unpack_sb(type, row + s * L.sb_bytes, u, scale, bias);
+        for (int j = 0; j < 256; j++) dst[256 * s + j] = scale[j / L.group] * u[j] + bias[j / L.group];
+      }
+      for (int64_t t = 0; t < rs.n_tail; t++) {
+        unpack_tail(type, row + rs.n_sb * L.sb_bytes + t * L.tail_bytes, u, scale, bias);
+        int64_t start = 256 * rs.n_sb + 64 * t;
+        for (int j = 0; j < 64 && start + j < in_features; j++) dst[start + j] = scale[j >> 5] * u[j] + bias[j >> 5];
+      }
+    }
+  });
+  return out;
+}
+
+// y [rows, sum of out] = x [rows, in] times each packed matrix's transpose, outputs side by side
+// (the fused q/k/v or gate/up of a layer, whatever their types); x is float32 or bfloat16, y has
+// x's dtype. `biases`: per matrix, an fp32 [out] tensor or an empty one.
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, at::IntArrayRef outs,
+                   int64_t in_features, at::TensorList biases, const c10::optional<at::Tensor>& norm, double eps,
+                   bool gated, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  Projection p = make_projection(weights, types, outs, in_features, biases);
+  int64_t rows = x.size(0);
+  at::Tensor y = at::empty({rows, p.total}, at::kFloat);
+  if (rows == 0 || p.total == 0) return y.to(x.scalar_type());
+  at::Tensor xin = prepared_input(x, in_features, norm, eps, gated);
+  Scratch scratch;
+  project(p, xin.data_ptr<float>(), rows, y.data_ptr<float>(), scratch);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == p.total,
+                "the residual must be [rows, sum of out]");
+    y.add_(residual->to(at::kFloat));
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace sg
+
+// The ops' namespace; a benchmark may build a variant under another name to compare the two in one
+// process.
+#ifndef SG_LIBRARY
+#define SG_LIBRARY specgate_gguf
+#endif
+
+TORCH_LIBRARY(SG_LIBRARY, m) {
+  m.def(
+      "qmatmul(Tensor x, Tensor[] weights, int[] types, int[] outs, int in_features, Tensor[] biases, "
+      "Tensor? norm=None, float eps=0.0, bool gated=False, Tensor? residual=None) -> Tensor");
+  m.def("repack(Tensor src, int type, int in_features) -> Tensor");
+  m.def("dequantize_rows(Tensor w, int type, int in_features, Tensor ids) -> Tensor");
+  m.def("packed_row_bytes(int type, int in_features) -> int", &sg::packed_row_bytes);
+  m.def("isa_level() -> int", &sg::isa_level);
+  m.def("set_isa_level(int level) -> int", &sg::set_isa_level);
+}
+
+TORCH_LIBRARY_IMPL(SG_LIBRARY, CPU, m) {
+  m.impl("qmatmul", &sg::qmatmul);
+  m.impl("repack", &sg::repack);
+  m.impl("dequantize_rows", &sg::dequantize_rows);
+}

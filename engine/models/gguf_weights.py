@@ -1,0 +1,107 @@
+"""The weights of a Llama-family GGUF file, read for the compact decoder without dequantizing them.
+
+Tensors are memory-mapped (gguf-py's reader) and each weight matrix is repacked once for the native
+kernels (quantized.QuantizedMatrix); nothing is widened to float, so the model in memory is the
+size of the file. Norms and biases are float32 in GGUF files. Types the kernels do not read
+(Q2_K, Q3_K, the IQ types, ...) are dequantized and stored as Q8_0 (one byte and a sixteenth per
+weight, within a fraction of a percent of the values); float matrices stay float.
+
+llama.cpp's converter permutes the rows of a Llama-architecture file's query and key projections
+(its rotary embedding pairs dimensions differently); they are put back in Hugging Face's order
+here, as transformers' own GGUF loader does. Qwen2 files are stored in that order already.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specgate.engine.models.quantized import NATIVE_TYPES, QuantizedMatrix
+
+logger = logging.getLogger(__name__)
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+PERMUTED_ARCHS = frozenset({"llama", "mistral"})
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's query / key permutation: HF row i is file row out[i]."""
+    index = np.arange(rows)
+    permuted = index.reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)  # file -> HF
+    return np.argsort(permuted)
+
+
+@dataclass(slots=True)
+class GGUFWeights:
+    path: Path
+    architecture: str
+    _tensors: dict[str, Any] = field(default_factory=dict)
+    loaded_bytes: Counter[str] = field(default_factory=Counter)  # bytes in memory by source type
+
+    @classmethod
+    def open(cls, path: Path) -> GGUFWeights:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        field_ = reader.fields.get("general.architecture")
+        arch = bytes(field_.parts[field_.data[0]]).decode() if field_ is not None else "llama"
+        return cls(path, arch, {t.name: t for t in reader.tensors})
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def type_of(self, name: str) -> str:
+        return str(self._tensors[name].tensor_type.name)
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A 1-D float tensor (norm weights, biases) as float32."""
+        t = self._tensors[name]
+        return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+
+    def matrix(self, name: str, heads_permuted: int | None = None) -> QuantizedMatrix | torch.Tensor:
+        """A weight matrix [out, in]: quantized (for the kernels) or, where the file keeps it in
+        float, a float32 tensor. `heads_permuted`: undo llama.cpp's query / key row order for a
+        matrix of that many heads (Llama-architecture files only)."""
+        t = self._tensors[name]
+        type_name = t.tensor_type.name
+        cols, rows = int(t.shape[0]), int(t.shape[1])  # GGUF lists dimensions innermost first
+        data = np.asarray(t.data)
+        order = None
+        if heads_permuted is not None and self.architecture in PERMUTED_ARCHS:
+            order = unpermute_rows(rows, heads_permuted)
+        if type_name in FLOAT_TYPES:
+            dense = torch.from_numpy(np.array(data, dtype=np.float32).reshape(rows, cols))
+            if order is not None:
+                dense = dense[torch.from_numpy(order)]
+            self.loaded_bytes[type_name] += dense.numel() * 2
+            return dense
+        blocks = data.reshape(rows, -1)
+        if order is not None:
+            blocks = blocks[order]
+        if type_name in NATIVE_TYPES:
+            # A copy: the mapped file is read-only, and torch wants memory it may write.
+            m = QuantizedMatrix.from_blocks(torch.from_numpy(np.array(blocks)), type_name, cols)
+        else:
+            m = QuantizedMatrix.from_blocks(
+                _as_q8_0(blocks, t.tensor_type, rows, cols), "Q8_0", cols, type_name
+            )
+        self.loaded_bytes[m.source_type] += m.nbytes
+        return m
+
+
+def _as_q8_0(blocks: np.ndarray, qtype: Any, rows: int, cols: int) -> torch.Tensor:
+    """Blocks of a type the kernels do not read, as Q8_0 blocks of the same values (to within
+    Q8_0's rounding: a 256th of each block's largest magnitude)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if cols % 32:
+        raise ValueError(f"a {qtype.name} matrix with {cols} columns cannot be stored as Q8_0")
+    logger.info("%s weights are converted to Q8_0 for the native kernels", qtype.name)
+    values = quants.dequantize(np.ascontiguousarray(blocks), qtype).reshape(rows, cols).astype(np.float32)
+    q8 = quants.quantize(values, GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(q8.reshape(rows, -1)))

@@ -1,0 +1,157 @@
+"""Tiny GGUF files for the tests: a random-weight Llama or Qwen2 written as llama.cpp writes them
+(query and key rows permuted for Llama), each matrix quantized to a chosen ggml type.
+
+gguf-py quantizes the blocks-of-32 types; the K-quants (Q4_K, Q5_K, Q6_K) are quantized here with
+simple, valid encoders (not llama.cpp's search for the best scales: any valid blocks will do, the
+tests compare the kernels against gguf-py's own dequantization of the same blocks). The model's
+configuration and tokenizer are saved where the engine looks for a GGUF file's metadata (the
+conversion cache's `-meta` directory), so the file itself needs only its tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from specgate.engine.loader import ModelSource, converted_dir
+
+
+def _f16(values: np.ndarray) -> np.ndarray:
+    return np.frombuffer(values.astype(np.float16).tobytes(), dtype=np.uint8).reshape(*values.shape, 2)
+
+
+def quantize_k(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Rows of x (multiples of 256 long) as Q4_K, Q5_K or Q6_K blocks: uint8 [rows, bytes]."""
+    rows, cols = x.shape
+    sb = x.reshape(rows, cols // 256, 256).astype(np.float64)
+    if qtype == GGMLQuantizationType.Q6_K:
+        g = sb.reshape(rows, -1, 16, 16)
+        scale = np.abs(g).max(-1) / 31.5 + 1e-12  # [rows, n, 16]
+        d = scale.max(-1) / 127.0  # [rows, n]
+        sc = np.clip(np.round(scale / d[..., None]), 1, 127)
+        q = np.clip(np.round(g / (d[..., None, None] * sc[..., None])), -32, 31).astype(np.int64) + 32
+        u = q.reshape(rows, -1, 256)
+        out = np.zeros((rows, u.shape[1], 210), dtype=np.uint8)
+        for n in range(2):
+            b = u[..., 128 * n : 128 * n + 128]
+            out[..., 64 * n : 64 * n + 32] = (b[..., 0:32] & 0xF) | ((b[..., 64:96] & 0xF) << 4)
+            out[..., 64 * n + 32 : 64 * n + 64] = (b[..., 32:64] & 0xF) | ((b[..., 96:128] & 0xF) << 4)
+            out[..., 128 + 32 * n : 128 + 32 * n + 32] = (
+                (b[..., 0:32] >> 4)
+                | ((b[..., 32:64] >> 4) << 2)
+                | ((b[..., 64:96] >> 4) << 4)
+                | ((b[..., 96:128] >> 4) << 6)
+            )
+        out[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+        out[..., 208:210] = _f16(d)
+        return out.reshape(rows, -1)
+    levels = 15 if qtype == GGMLQuantizationType.Q4_K else 31
+    g = sb.reshape(rows, -1, 8, 32)
+    lo = np.minimum(g.min(-1), 0.0)
+    scale = (g.max(-1) - lo) / levels + 1e-12
+    mins = -lo
+    d = scale.max(-1) / 63.0
+    dmin = mins.max(-1) / 63.0 + 1e-12
+    sc = np.clip(np.round(scale / d[..., None]), 1, 63).astype(np.int64)
+    mq = np.clip(np.round(mins / dmin[..., None]), 0, 63).astype(np.int64)
+    # Round d and dmin to fp16 first: the codes are chosen for the factors the file will hold.
+    d16, dmin16 = d.astype(np.float16).astype(np.float64), dmin.astype(np.float16).astype(np.float64)
+    step = (d16[..., None] * sc)[..., None]
+    q = np.clip(np.round((g + (dmin16[..., None] * mq)[..., None]) / step), 0, levels).astype(np.int64)
+    q = q.reshape(rows, -1, 256)
+    width = 144 if levels == 15 else 176
+    out = np.zeros((rows, q.shape[1], width), dtype=np.uint8)
+    out[..., 0:2], out[..., 2:4] = _f16(d), _f16(dmin)
+    scales = np.zeros((rows, q.shape[1], 12), dtype=np.int64)
+    for j in range(4):
+        scales[..., j] = (sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6)
+        scales[..., j + 4] = (mq[..., j] & 63) | ((mq[..., j + 4] >> 4) << 6)
+        scales[..., j + 8] = (sc[..., j + 4] & 0xF) | ((mq[..., j + 4] & 0xF) << 4)
+    out[..., 4:16] = scales
+    ql = out[..., 16:144] if levels == 15 else out[..., 48:176]
+    for j in range(4):
+        lo_q, hi_q = q[..., 64 * j : 64 * j + 32], q[..., 64 * j + 32 : 64 * j + 64]
+        ql[..., 32 * j : 32 * j + 32] = (lo_q & 0xF) | ((hi_q & 0xF) << 4)
+        if levels == 31:
+            out[..., 16:48] |= (((lo_q >> 4) & 1) << (2 * j)).astype(np.uint8)
+            out[..., 16:48] |= (((hi_q >> 4) & 1) << (2 * j + 1)).astype(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
+        return quantize_k(x, qtype)
+    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
+
+
+def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order of a Llama query / key projection (what the engine undoes)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    cache_dir: Path,
+    types: dict[str, GGMLQuantizationType],
+    default: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+) -> Path:
+    """Write the Hugging Face checkpoint in `model_dir` as the GGUF file `out`, its matrices in
+    `types` (by GGUF tensor name suffix, e.g. "ffn_down.weight"; else `default`), and save its
+    configuration and tokenizer where the engine looks for them (under `cache_dir`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = model.config
+    arch = config.model_type
+    writer = GGUFWriter(out, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    parts = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for name, tensor in model.state_dict().items():
+        if name in names:
+            gguf_name = names[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{parts[module]}.{kind}"
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            data = llama_permute(data, heads if ".attn_q." in gguf_name else kv)
+        if data.ndim == 1:
+            writer.add_tensor(gguf_name, data.astype(np.float32))
+            continue
+        qtype = next((t for suffix, t in types.items() if gguf_name.endswith(suffix)), default)
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, data.astype(np.float32))
+            continue
+        blocks = quantize(data, qtype)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta = converted_dir(ModelSource(out.parent, out.name, out.stem), cache_dir)
+    meta = meta.with_name(meta.name + "-meta")
+    meta.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(meta)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(meta)
+    return out

@@ -1,0 +1,173 @@
+"""The native GGUF kernels against gguf-py's own dequantization: repacking loses nothing, products
+are exactly W times the quantized activations (float rounding aside) on every instruction set this
+CPU has, a row's result does not depend on its batch, and the fused norm, SwiGLU and residual are
+the layer's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from specgate.engine.kernels import extension
+from tests.engine.gguf_fixture import quantize
+
+pytestmark = pytest.mark.skipif(
+    not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
+)
+
+BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
+# Row lengths: whole superblocks, superblocks and a tail chunk, a tail of one block (32), tails only.
+BLOCK_COLS = [256, 576, 288, 64, 96, 1536]
+K_COLS = [256, 1536]
+
+
+def ops():  # type: ignore[no-untyped-def]
+    return extension.ops()
+
+
+@pytest.fixture
+def levels() -> Iterator[list[int]]:
+    """The instruction sets this CPU runs (0 portable, 1 AVX2, 2 AVX-512 VNNI); restored after."""
+    best = extension.isa_level()
+    yield list(range(best + 1))
+    ops().set_isa_level(best)
+
+
+def blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[:, ::7] *= 6  # a few heavier columns, as real weights have
+    return quantize(w, qtype)
+
+
+def packed(qtype: T, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    raw = blocks(qtype, rows, cols, seed)
+    reference = quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float64)
+    return ops().repack(torch.from_numpy(raw), int(qtype.value), cols), reference
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply by: each row in blocks of 32, int8 with one scale per block (codes
+    rounded half to even from x * (127 / amax) in float32, as the kernels compute them), as float64."""
+    x = x.float()
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for start in range(0, x.shape[1], 32):
+        v = x[:, start : start + 32]
+        amax = v.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        codes = torch.round(v * inv).clamp(-127, 127)
+        out[:, start : start + 32] = codes.double() * (amax / 127).double()
+    return out
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_repacked_blocks_dequantize_to_the_files_values(qtype: T) -> None:
+    for cols in K_COLS if qtype in K_TYPES else BLOCK_COLS:
+        w, reference = packed(qtype, 23, cols)
+        assert w.shape == (23, ops().packed_row_bytes(int(qtype.value), cols))
+        rows = ops().dequantize_rows(w, int(qtype.value), cols, torch.arange(23)).double().numpy()
+        np.testing.assert_array_equal(rows, reference.astype(np.float32).astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_products_are_the_weights_times_the_quantized_activations(qtype: T, levels: list[int]) -> None:
+    for cols in K_COLS if qtype in K_TYPES else BLOCK_COLS:
+        w, reference = packed(qtype, 41, cols, seed=cols)
+        x = torch.randn(6, cols, generator=torch.Generator().manual_seed(cols))
+        exact = quantized_activations(x) @ torch.from_numpy(reference).T  # [6, 41]
+        results = []
+        for level in levels:
+            ops().set_isa_level(level)
+            y = ops().qmatmul(x, [w], [int(qtype.value)], [41], cols, [torch.empty(0)])
+            assert y.dtype == torch.float32 and y.shape == (6, 41)
+            err = float((y.double() - exact).abs().max() / exact.abs().max())
+            assert err < 2e-6, (qtype.name, cols, level, err)
+            results.append(y)
+        for y in results[1:]:  # every instruction set computes the same numbers, to float rounding
+            assert float((y - results[0]).abs().max() / results[0].abs().max()) < 2e-6
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(levels: list[int]) -> None:
+    w, _ = packed(T.Q4_K, 50, 512)
+    w6, _ = packed(T.Q6_K, 30, 512)
+    x = torch.randn(17, 512)
+    for level in levels:
+        ops().set_isa_level(level)
+        alone = [
+            ops().qmatmul(x[r : r + 1], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
+            for r in range(17)
+        ]
+        for n in (2, 3, 4, 5, 8, 9, 16, 17):
+            batch = ops().qmatmul(x[:n], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
+            for r in range(n):
+                assert torch.equal(batch[r], alone[r][0]), (level, n, r)
+
+
+def test_matrices_of_different_types_side_by_side_with_biases() -> None:
+    q, rq = packed(T.Q4_K, 40, 256, seed=1)
+    k, rk = packed(T.Q5_0, 8, 256, seed=2)
+    v, rv = packed(T.Q6_K, 8, 256, seed=3)
+    bias_q, bias_v = torch.randn(40), torch.randn(8)
+    x = torch.randn(3, 256)
+    y = ops().qmatmul(x, [q, k, v], [12, 6, 14], [40, 8, 8], 256, [bias_q, torch.empty(0), bias_v])
+    xq = quantized_activations(x)
+    expected = torch.cat(
+        [
+            xq @ torch.from_numpy(rq).T + bias_q.double(),
+            xq @ torch.from_numpy(rk).T,
+            xq @ torch.from_numpy(rv).T + bias_v.double(),
+        ],
+        dim=1,
+    )
+    assert float((y.double() - expected).abs().max() / expected.abs().max()) < 2e-6
+
+
+def test_fused_norm_swiglu_and_residual_are_the_layers_own(levels: list[int]) -> None:
+    w, _ = packed(T.Q4_K, 64, 512, seed=4)
+    x, norm, residual = torch.randn(4, 512), torch.rand(512) + 0.5, torch.randn(4, 64)
+    gate_up = torch.randn(4, 1024)
+    e = [torch.empty(0)]
+    for level in levels:
+        ops().set_isa_level(level)
+        normed = ops().qmatmul(x, [w], [12], [64], 512, e, norm, 1e-6, False, residual)
+        by_hand = ops().qmatmul(torch.rms_norm(x, (512,), norm, 1e-6), [w], [12], [64], 512, e) + residual
+        assert float((normed - by_hand).abs().max() / by_hand.abs().max()) < 1e-5
+        gated = ops().qmatmul(gate_up, [w], [12], [64], 512, e, None, 0.0, True, None)
+        swiglu = torch.nn.functional.silu(gate_up[:, :512]) * gate_up[:, 512:]
+        expected = ops().qmatmul(swiglu, [w], [12], [64], 512, e)
+        assert float((gated - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_bfloat16_in_bfloat16_out() -> None:
+    w, reference = packed(T.Q8_0, 16, 256)
+    x = torch.randn(2, 256).bfloat16()
+    y = ops().qmatmul(x, [w], [8], [16], 256, [torch.empty(0)])
+    exact = quantized_activations(x.float()) @ torch.from_numpy(reference).T
+    assert y.dtype == torch.bfloat16 and float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-2
+
+
+def test_misuse_is_refused_with_a_message() -> None:
+    w, _ = packed(T.Q4_K, 8, 256)
+    e = [torch.empty(0)]
+    with pytest.raises(RuntimeError, match="row bytes do not match"):
+        ops().qmatmul(torch.randn(1, 512), [w], [12], [8], 512, e)
+    with pytest.raises(RuntimeError, match="unsupported GGUF type"):
+        ops().repack(torch.zeros(1, 84, dtype=torch.uint8), 10, 256)  # Q2_K: converted to Q8_0 first
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ops().repack(torch.zeros(1, 144, dtype=torch.uint8), 12, 288)
+    with pytest.raises(RuntimeError, match="row id out of range"):
+        ops().dequantize_rows(w, 12, 256, torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="one type, output size and bias per matrix"):
+        ops().qmatmul(torch.randn(1, 256), [w], [12, 12], [8], 256, e)
+
+
+def test_an_empty_batch_is_an_empty_result() -> None:
+    w, _ = packed(T.Q4_0, 8, 64)
+    y = ops().qmatmul(torch.randn(0, 64), [w], [2], [8], 64, [torch.empty(0)])
+    assert y.shape == (0, 8)

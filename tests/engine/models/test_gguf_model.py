@@ -1,0 +1,226 @@
+"""Llama-family GGUF files served from their own blocks: the compact decoder on the native kernels
+decodes what Hugging Face's model decodes with the file's dequantized weights, greedy speculative
+output is token-identical to plain output for every proposer (float32). (Without the kernels the
+file takes the dequantized path: tests/engine/test_default_model.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.kernels import extension
+from specgate.engine.models.gguf_weights import unpermute_rows
+from specgate.engine.models.quantized import GGUFEmbedding, GGUFLinear
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
+from tests.conftest import _save_tiny, tiny_config_kwargs
+from tests.engine.gguf_fixture import write_gguf
+
+pytestmark = pytest.mark.skipif(
+    not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
+)
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Every kind of block the kernels read, and a K-quant on the tied or untied head.
+MIXED = {
+    "attn_q.weight": T.Q4_K,
+    "attn_k.weight": T.Q5_0,
+    "attn_v.weight": T.Q6_K,
+    "attn_output.weight": T.Q4_1,
+    "ffn_gate.weight": T.Q5_K,
+    "ffn_up.weight": T.Q4_0,
+    "ffn_down.weight": T.Q6_K,
+    "output.weight": T.Q8_0,
+    "token_embd.weight": T.Q5_1,
+}
+
+
+def _gguf_model(
+    tmp: Path,
+    arch: str,
+    seed: int,
+    types: dict[str, T],
+    hidden: int = 256,
+    noise: float = 0.0,
+    base: Path | None = None,
+) -> tuple[Path, Path]:
+    kw = {**tiny_config_kwargs(), "hidden_size": hidden, "intermediate_size": 2 * hidden}
+    torch.manual_seed(seed)
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=False))
+    hf = _save_tiny(tmp / f"hf-{arch}-{seed}", model)
+    return write_gguf(hf, tmp / f"{arch}-{seed}.gguf", tmp / "cache", types), hf
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    tmp = tmp_path_factory.mktemp("gguf")
+    llama = _gguf_model(tmp, "llama", 0, MIXED)
+    out = {
+        "llama": llama,
+        "qwen2": _gguf_model(tmp, "qwen2", 1, MIXED),
+        # 288 columns: superblocks and a tail of one block of 32 in every blocks-of-32 matrix.
+        "tails": _gguf_model(tmp, "llama", 2, {"weight": T.Q4_1}, hidden=288),
+        # The target with noise: a draft model that is often, not always, right.
+        "draft": _gguf_model(tmp, "llama", 3, {"weight": T.Q8_0}, noise=0.1, base=llama[1]),
+    }
+    out["cache"] = (tmp / "cache", tmp / "cache")
+    return out
+
+
+def _engine(files: dict[str, tuple[Path, Path]], name: str, **kw: object) -> Engine:
+    args: dict = dict(
+        model=str(files[name][0]),
+        convert_cache_dir=str(files["cache"][0]),
+        dtype="float32",
+        block_size=4,
+        num_blocks=256,
+    )
+    args.update(kw)
+    return Engine(EngineConfig(**args))
+
+
+def _dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
+    """The Hugging Face model with the file's weights, dequantized by gguf-py (float32)."""
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    parts = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            gguf_name = names.get(name)
+            if gguf_name is None:
+                layer, rest = name.removeprefix("model.layers.").split(".", 1)
+                module, kind = rest.rsplit(".", 1)
+                gguf_name = f"blk.{layer}.{parts[module]}.{kind}"
+            t = tensors[gguf_name]
+            values = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tensor.shape)
+            if model.config.model_type == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+                values = values[unpermute_rows(values.shape[0], heads if ".attn_q." in gguf_name else kv)]
+            tensor.copy_(torch.from_numpy(np.array(values)))
+    return model
+
+
+def _run(
+    engine: Engine, prompts: list[list[int]], n: int, spec: SpecParams | None = None
+) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY), spec)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def _quantize_inputs(model: torch.nn.Module) -> None:
+    """Make every linear layer of `model` see its input as the kernels do: each row quantized to
+    8 bits in blocks of 256 (then 64), one scale per block, rounded half to even."""
+    from tests.engine.kernels.test_gguf_kernels import quantized_activations
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        return (quantized_activations(rows).to(x.dtype).view(x.shape),)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "tails"])
+def test_the_native_model_computes_the_files_model(files: dict[str, tuple[Path, Path]], name: str) -> None:
+    """Next-token logits of the compact decoder on the kernels, against Hugging Face's model with
+    the file's weights dequantized by gguf-py and each linear layer's input quantized as the
+    kernels quantize it: the same numbers, to float rounding. (Without that quantization the two
+    differ by about a percent per layer on these random models, as llama.cpp's int8 activations do.)"""
+    engine = _engine(files, name)
+    model = engine.runner.model
+    assert engine.runner.native is not None and engine.config.dtype == "float32"
+    assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
+    assert model.fused  # every projection on the kernels: norms, SwiGLU and residuals inside them
+    reference = _dequantized_reference(*files[name])
+    _quantize_inputs(reference)
+    captured: list[torch.Tensor] = []
+    run = engine.runner.execute_with_hidden
+
+    def capture(items, hidden):  # type: ignore[no-untyped-def]
+        out = run(items, hidden)
+        captured.append(out[0])
+        return out
+
+    engine.runner.execute_with_hidden = capture  # type: ignore[method-assign]
+    errors = []
+    for prompt in ([5, 17, 33, 2, 9], [70, 3, 3, 41, 8, 8, 12, 64, 1], [1, 2, 3, 4, 5, 6, 7]):
+        captured.clear()
+        _run(engine, [prompt], 1)
+        with torch.no_grad():
+            want = reference(torch.tensor([prompt])).logits[0, -1]
+        got = captured[0][-1]
+        errors.append(float((got - want).abs().max() / want.abs().max()))
+        assert int(got.argmax()) == int(want.argmax())
+    # Float rounding (attention's order of sums, the norm's) can move an activation across an int8
+    # rounding tie: one code a step off, a few 1e-3 in the logits. Any error of the kernels' own
+    # (a scale, a lane, a tail) shows in every prompt, far above either bound.
+    assert max(errors) < 2e-2 and min(errors) < 1e-5, errors
+
+
+def test_the_weights_stay_at_the_files_bytes(files: dict[str, tuple[Path, Path]]) -> None:
+    engine = _engine(files, "llama")
+    tensors = GGUFReader(files["llama"][0]).tensors
+    matrices = sum(
+        t.n_bytes for t in tensors if t.tensor_type.name != "F32" and t.name != "token_embd.weight"
+    )
+    assert engine.runner.weight_bytes is not None
+    # Repacking keeps the bytes (K-quants' decoded sub-scales: 4 more bytes per 256 weights).
+    assert matrices <= engine.runner.weight_bytes <= matrices * 1.03
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_speculative_greedy_output_is_token_identical_to_plain(
+    files: dict[str, tuple[Path, Path]], method: str
+) -> None:
+    options = {"draft_model": {"model": str(files["draft"][0]), "convert_cache_dir": str(files["cache"][0])}}
+    plain = _engine(files, "llama")
+    spec = _engine(files, "llama", proposer_options=options if method == "draft_model" else {})
+    rng = torch.Generator().manual_seed(5)
+    # Repetitive prompts, so n-gram and suffix drafts are often right and verification goes deep.
+    prompts = [(torch.randint(0, 95, (4,), generator=rng).tolist() * 4)[:n] for n in (9, 13, 16)]
+    params = SpecParams(method=method, controller="static", num_speculative_tokens=4)
+    want = _run(plain, prompts, 24)
+    got = _run(spec, prompts, 24, params)
+    assert got == want
+    if method == "draft_model":
+        stats = spec.proposer("draft_model")
+        assert stats.runner.native is not None  # the draft is served by the kernels too
