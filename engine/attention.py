@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -214,6 +215,81 @@ def paged_attention(
         o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
+
+
+# Long chunks up to this many queries (verifications of more than SHORT_MAX_TOKENS drafts, short
+# prefill chunks) take the native kernel too: a verified row and the plain decode of the same
+# position then see the same arithmetic. Longer prefill chunks go to SDPA, whose matrix products
+# are much faster there.
+NATIVE_CHUNK_MAX = 64
+_NO_INDEX = torch.empty(0, dtype=torch.long)
+
+
+def native_paged_attention(
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float, ops: Any
+) -> torch.Tensor:
+    """Attention of a step whose keys and values `ops.rope_store` has already put in the pool, on the
+    native kernels (engine/kernels/attention.h): q [num_tokens, heads, head_dim] float32, returns the
+    same shape."""
+    cache = meta.kv_cache
+    n = q.shape[0]
+    if len(meta.groups) == 1 and not meta.long_chunks:
+        g = meta.groups[0]
+        if g.out_index is None and g.num_tokens == n:
+            index = _NO_INDEX if g.q_index is None else g.q_index
+            whole: torch.Tensor = ops.paged_attend(
+                q, cache.k, cache.v, layer, g.kv_slots, g.start, index, g.mask, g.t, scale
+            )
+            return whole
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        index = _NO_INDEX if g.q_index is None else g.q_index
+        o = ops.paged_attend(q, cache.k, cache.v, layer, g.kv_slots, g.start, index, g.mask, g.t, scale)
+        if g.out_index is not None:
+            o = o.index_select(0, g.out_index)  # [num_tokens, heads, head_dim]
+        out[g.start : g.start + g.num_tokens] = o
+    for chunk in meta.long_chunks:
+        t = chunk.end - chunk.start
+        if t <= NATIVE_CHUNK_MAX:
+            slots = chunk.kv_slots.view(1, -1)
+            o = ops.paged_attend(
+                q, cache.k, cache.v, layer, slots, chunk.start, _NO_INDEX, chunk.mask, t, scale
+            )
+        else:
+            k, v = cache.read(layer, chunk.kv_slots, chunk.kv_start)  # [kv_heads, S, head_dim]
+            qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
+            o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
+            o = o[0].transpose(0, 1)  # [T, heads, head_dim]
+        out[chunk.start : chunk.end] = o
+    return out
+
+
+def native_calls(meta: AttentionMetadata) -> tuple[list[Any], ...] | None:
+    """The step's attention calls as the native decoder takes them (engine/kernels/decoder.h): lists
+    of kv_slots, starts, q_index, masks, t, out_index, out_start, out_count, one entry per call; None
+    where a long chunk needs SDPA."""
+    if any(c.end - c.start > NATIVE_CHUNK_MAX for c in meta.long_chunks):
+        return None
+    lists: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [])
+    for g in meta.groups:
+        entry = (
+            g.kv_slots,
+            g.start,
+            _NO_INDEX if g.q_index is None else g.q_index,
+            _NO_INDEX if g.mask is None else g.mask,
+            g.t,
+            _NO_INDEX if g.out_index is None else g.out_index,
+            g.start,
+            g.num_tokens,
+        )
+        for target, value in zip(lists, entry, strict=True):
+            target.append(value)
+    for c in meta.long_chunks:
+        t = c.end - c.start
+        entry = (c.kv_slots.view(1, -1), c.start, _NO_INDEX, c.mask, t, _NO_INDEX, c.start, t)
+        for target, value in zip(lists, entry, strict=True):
+            target.append(value)
+    return lists
 
 
 def paged_attention_forward(

@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger("specgate.engine.kernels")
 SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
 # Every file the translation unit includes: a change to any of them is a new build.
-PARTS = ("gguf_kernels.cpp", "quantized_matmul.h")
+PARTS = ("gguf_kernels.cpp", "quantized_matmul.h", "attention.h", "decoder.h")
 NAMESPACE = "specgate_gguf"
 
 _state: dict[str, object] = {}
@@ -160,6 +160,36 @@ def _register_fakes() -> None:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], sum(outs))
+
+    @torch.library.register_fake(f"{NAMESPACE}::paged_attend")  # type: ignore[untyped-decorator]
+    def _paged_attend(
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        layer: int,
+        kv_slots: torch.Tensor,
+        start: int,
+        q_index: torch.Tensor,
+        mask: torch.Tensor | None,
+        t: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return q.new_empty(kv_slots.shape[0] * t, q.shape[1], q.shape[2])
+
+    @torch.library.register_fake(f"{NAMESPACE}::rope_store")  # type: ignore[untyped-decorator]
+    def _rope_store(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        layer: int,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        d = qkv.shape[1] // (heads + 2 * kv_heads)
+        return qkv.new_empty(qkv.shape[0], heads, d, dtype=torch.float32)
 
     @torch.library.register_fake(f"{NAMESPACE}::dequantize_rows")  # type: ignore[untyped-decorator]
     def _dequantize_rows(w: torch.Tensor, type_id: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 // The ops of the native kernels (torch.ops.specgate_gguf): matrix products on GGUF blocks
-// (quantized_matmul.h), paged attention (attention.h) and a whole decoder stack per call
-// (decoder.h). One translation unit: the headers are this file's parts.
+// (quantized_matmul.h), rotary embedding with paged attention (attention.h) and a whole decoder
+// stack per call (decoder.h). One translation unit: the headers are this file's parts.
 
 #include "quantized_matmul.h"
+#include "attention.h"
+#include "decoder.h"
 
 namespace sg {
 
@@ -87,10 +89,21 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
 #endif
 
 TORCH_LIBRARY(SG_LIBRARY, m) {
+  m.class_<sg::Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &sg::Decoder::add_layer)
+      .def("num_layers", &sg::Decoder::num_layers)
+      .def("forward", &sg::Decoder::forward);
   m.def(
       "qmatmul(Tensor x, Tensor[] weights, int[] types, int[] outs, int in_features, Tensor[] biases, "
       "Tensor? norm=None, float eps=0.0, bool gated=False, Tensor? residual=None) -> Tensor");
   m.def("repack(Tensor src, int type, int in_features) -> Tensor");
+  m.def(
+      "rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, int layer, "
+      "Tensor slots, int heads, int kv_heads) -> Tensor");
+  m.def(
+      "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, int layer, Tensor kv_slots, int start, "
+      "Tensor q_index, Tensor? mask, int t, float scale) -> Tensor");
   m.def("dequantize_rows(Tensor w, int type, int in_features, Tensor ids) -> Tensor");
   m.def("packed_row_bytes(int type, int in_features) -> int", &sg::packed_row_bytes);
   m.def("isa_level() -> int", &sg::isa_level);
@@ -100,5 +113,7 @@ TORCH_LIBRARY(SG_LIBRARY, m) {
 TORCH_LIBRARY_IMPL(SG_LIBRARY, CPU, m) {
   m.impl("qmatmul", &sg::qmatmul);
   m.impl("repack", &sg::repack);
+  m.impl("rope_store", &sg::rope_store);
+  m.impl("paged_attend", &sg::paged_attend);
   m.impl("dequantize_rows", &sg::dequantize_rows);
 }

@@ -970,6 +970,10 @@ SG_AVX2 static void rows256(const Matrix& m, int64_t o, const Act& a, int64_t r0
   for (int64_t s = 0; s < a.n_sb; s++) {
     __m256 S0, S1, B0, B1;
     const uint8_t *q, *h;
+    // As in rows512 (worth 12-18% here at one row, with the weights streaming from memory).
+    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 96), _MM_HINT_T0);
+    if constexpr (sb_bytes > 192) _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 192), _MM_HINT_T0);
     superblock256<TYPE>(row + s * sb_bytes, S0, S1, B0, B1, q, h);
     if constexpr (TYPE == Q6_K) {
       for (int half = 0; half < 2; half++) {

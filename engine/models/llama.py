@@ -11,13 +11,13 @@ verification, chunked prefill and token trees run on it alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgate.engine.attention import AttentionMetadata, paged_attention
+from specgate.engine.attention import AttentionMetadata, native_calls, native_paged_attention, paged_attention
 from specgate.engine.cpu_linear import concat_linears
 from specgate.engine.models.linear import make_linear
 
@@ -172,6 +172,7 @@ class CompactCausalLM(nn.Module):
             )
             for layer in self._layers
         ]
+        self._decoder = self._native_decoder() if self.fused else None
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
@@ -193,7 +194,12 @@ class CompactCausalLM(nn.Module):
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return paged_attention(meta, layer, q, k, v, self.scale)
 
-        hidden = self.hidden_states(input_ids, positions, attend, meta.compute_dtype)  # [num_tokens, hidden]
+        if self.fused and not meta.tiles and input_ids.device.type == "cpu":
+            hidden = self._native_hidden_states(input_ids, positions, meta)
+        else:
+            hidden = self.hidden_states(
+                input_ids, positions, attend, meta.compute_dtype
+            )  # [num_tokens, hidden]
         logits = self.lm_head(hidden.index_select(0, logit_index))  # [num_logits, vocab]
         return logits, (hidden if want_hidden else None)
 
@@ -247,6 +253,60 @@ class CompactCausalLM(nn.Module):
             qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin
             attn = attend(i, qk[:h], qk[h:], qkv[h + kv :])  # [num_tokens, h, d]
             residual = o_proj(attn.reshape(n, h * d).to(dtype), residual=residual)
+            gate_up = gate_up_proj(residual, post_norm, eps)  # [num_tokens, 2 * intermediate]
+            residual = down_proj(gate_up, gated=True, residual=residual)
+        return rms_norm(residual, self.norm, eps)
+
+    def _native_decoder(self) -> Any:
+        """The whole layer stack as one native object (engine/kernels/decoder.h), over the same packed
+        matrices and norms: a step's layers then cost one call from Python instead of hundreds."""
+        from specgate.engine.kernels.extension import NAMESPACE
+        from specgate.engine.models.quantized import GGUFLinear
+
+        decoder = getattr(torch.classes, NAMESPACE).Decoder(
+            self.heads, self.kv_heads, self.head_dim, self.eps, self.scale
+        )
+        for layer in self._layers:
+            mods = [cast(GGUFLinear, m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            decoder.add_layer(
+                [w for m in mods for w in m._weights],
+                [t for m in mods for t in m._types],
+                [o for m in mods for o in m._outs],
+                [len(m._weights) for m in mods],
+                [b for m in mods for b in m._biases],
+                layer.input_norm.detach(),
+                layer.post_norm.detach(),
+                mods[0].in_features,
+                layer.intermediate,
+            )
+        return decoder
+
+    def _native_hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """`hidden_states` on the native kernels end to end: each projection with its norm, SwiGLU or
+        residual add, the rotation with the pool stores, and attention (engine/kernels/)."""
+        from specgate.engine.kernels.extension import ops
+
+        native = ops()
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        dtype = x.dtype
+        cos, sin = self.cos[positions], self.sin[positions]  # [num_tokens, head_dim] fp32
+        n, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        cache, slots = meta.kv_cache, meta.slot_mapping
+        residual, eps = x, self.eps
+        decoder = self._decoder
+        calls = native_calls(meta) if decoder is not None and dtype == torch.float32 else None
+        if decoder is not None and calls is not None:  # bit-identical to the loop below, in one call
+            residual = decoder.forward(x, cos, sin, cache.k, cache.v, slots, *calls)
+            return rms_norm(residual, self.norm, eps)
+        for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, _m) in enumerate(
+            self._plan
+        ):
+            qkv = qkv_proj(residual, input_norm, eps)  # [num_tokens, (h + 2 kv) d]
+            q = native.rope_store(qkv, cos, sin, cache.k, cache.v, i, slots, h, kv)  # [num_tokens, h, d]
+            attn = native_paged_attention(meta, i, q, self.scale, native)  # [num_tokens, h, d] fp32
+            residual = o_proj(attn.view(n, h * d).to(dtype), residual=residual)
             gate_up = gate_up_proj(residual, post_norm, eps)  # [num_tokens, 2 * intermediate]
             residual = down_proj(gate_up, gated=True, residual=residual)
         return rms_norm(residual, self.norm, eps)

@@ -139,9 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from specgate.gateway.cli.workers import serve_workers
 
         return serve_workers(settings, WorkerOptions(default_cache_dir(), verbose=args.verbose))
+    from specgate.gateway.cli.announce import announce
     from specgate.gateway.http.connections import uvicorn_options
 
     app = create_app(settings, cache_dir=default_cache_dir())
+    announce(settings.host, settings.port, "one process", lambda: False)
     uvicorn.run(
         app, host=settings.host, port=settings.port, **uvicorn_options(settings, verbose=args.verbose)
     )

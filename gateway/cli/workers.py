@@ -30,6 +30,7 @@ from typing import Any
 
 from specgate.gateway.backends.embedded.core import LogSettings
 from specgate.gateway.backends.embedded.shared_core import SharedCore
+from specgate.gateway.cli.announce import announce
 from specgate.gateway.cli.shared import start_shared
 from specgate.gateway.cli.worker_process import WorkerOptions, run_worker
 from specgate.gateway.settings import Settings
@@ -125,6 +126,7 @@ class WorkerSupervisor:
                 self._start_worker(slot, args[slot.index])
             port = http.getsockname()[1]
             logger.info("serving on http://%s:%d with %d workers (pid %d)", s.host, port, n, os.getpid())
+            announce(s.host, port, f"{n} worker{'s' if n > 1 else ''}", lambda: self._stopping)
             self._watch(args, metrics_dir, limits)
         finally:
             self._stop_workers(metrics_dir)

@@ -6,6 +6,7 @@ file takes the dequantized path: tests/engine/test_default_model.py.)"""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,14 +134,21 @@ def _dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
 
 
 def _run(
-    engine: Engine, prompts: list[list[int]], n: int, spec: SpecParams | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    n: int,
+    spec: SpecParams | None = None,
+    finals: dict[str, Any] | None = None,
 ) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt by request id; `finals` gets each request's last output."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY), spec)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
+            if finals is not None:
+                finals[o.request_id] = o
     return out
 
 
@@ -224,3 +232,85 @@ def test_speculative_greedy_output_is_token_identical_to_plain(
     if method == "draft_model":
         stats = spec.proposer("draft_model")
         assert stats.runner.native is not None  # the draft is served by the kernels too
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # Trees: verification rows that see their ancestors only (a tree mask in native attention).
+        SpecParams(method="ngram", controller="static", num_speculative_tokens=4, max_tree_nodes=12),
+        # Deeper than a shared attention group holds: the verification is a chunk of its own.
+        SpecParams(
+            method="ngram", controller="static", k_max=24, num_speculative_tokens=20, max_tree_nodes=0
+        ),
+    ],
+    ids=["tree", "deep-chain"],
+)
+def test_trees_and_deep_verifications_are_token_identical_to_plain(
+    files: dict[str, tuple[Path, Path]], params: SpecParams
+) -> None:
+    # Matching single tokens too gives the n-gram proposer several continuations to branch into.
+    plain, spec = _engine(files, "llama"), _engine(files, "llama", proposer_options={"ngram": {"min_n": 1}})
+    rng = torch.Generator().manual_seed(6)
+    # Phrases that recur with different continuations (a b c ... a b d ...): n-gram trees branch.
+    prompts = []
+    for n in (14, 20):
+        a, b, c, d, e = torch.randint(0, 95, (5,), generator=rng).tolist()
+        prompts.append(([a, b, c, e, a, b, d, e] * 4)[:n])
+    want = _run(plain, prompts, 32)
+    finals: dict[str, Any] = {}
+    got = _run(spec, prompts, 32, params, finals)
+    assert got == want
+    steps = [f.stats.spec for f in finals.values()]
+    if params.max_tree_nodes > params.num_speculative_tokens:
+        assert sum(s.num_tree_drafts for s in steps) > 0
+    else:
+        assert max(d for s in steps for d in s.per_step_drafted) > 16
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_one_call_decoder_is_the_per_layer_path_bit_for_bit(
+    files: dict[str, tuple[Path, Path]], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of decodes, verifications and short prefill chunks run the whole stack in one native
+    call (engine/kernels/decoder.h); forced through the per-layer loop instead, every logit of
+    every step is the same float, so a step may take either path without changing a token."""
+    from specgate.engine.models import llama
+
+    def logits_of_every_step() -> list[torch.Tensor]:
+        engine = _engine(files, name, max_num_batched_tokens=24)
+        captured: list[torch.Tensor] = []
+        run = engine.runner.execute_with_hidden
+
+        def capture(items, hidden):  # type: ignore[no-untyped-def]
+            out = run(items, hidden)
+            captured.append(out[0].clone())
+            return out
+
+        engine.runner.execute_with_hidden = capture  # type: ignore[method-assign]
+        rng = torch.Generator().manual_seed(7)
+        prompts = [(torch.randint(0, 95, (4,), generator=rng).tolist() * 5)[:n] for n in (5, 19, 11)]
+        params = SpecParams(method="ngram", controller="static", num_speculative_tokens=3)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, SamplingParams(max_tokens=12, **GREEDY), params)
+            engine.add_request(f"p{i}", p, SamplingParams(max_tokens=12, **GREEDY))
+        while engine.has_unfinished():
+            engine.step()
+        return captured
+
+    calls: list[object] = []
+    real = llama.native_calls
+
+    def counted(meta):  # type: ignore[no-untyped-def]
+        out = real(meta)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(llama, "native_calls", counted)
+    one_call = logits_of_every_step()
+    assert any(c is not None for c in calls)  # the decoder ran
+    monkeypatch.setattr(llama, "native_calls", lambda meta: None)
+    per_layer = logits_of_every_step()
+    assert len(one_call) == len(per_layer)
+    for a, b in zip(one_call, per_layer, strict=True):
+        assert torch.equal(a, b)

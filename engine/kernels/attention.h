@@ -1,0 +1,316 @@
+// Rotary embedding, KV-pool stores and paged attention for the rows of a decode or verification
+// step, in one call each per layer.
+//
+// The torch path spends most of a small model's attention time in dispatch: a rotation is four
+// tensor ops, the pool stores two more, and SDPA on a [1, heads, 1..17, context] problem costs tens
+// of microseconds before it reads a key. Here each (query, head) pair is one task that reads its
+// keys and values straight from the pool by slot, with no gathered copy.
+//
+// A query's result depends only on its own visible keys, read in slot-list order: never on the
+// other rows of the step, so batching and speculation change no token.
+
+#pragma once
+
+#include "quantized_matmul.h"
+
+#include <vector>
+
+namespace sg {
+
+static inline float bf16_value(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+struct Pool {
+  void* k;
+  void* v;
+  bool bf16;
+  int64_t kv_heads, slots, d;
+
+  // Element offset of (kv head, slot) in one layer.
+  inline int64_t at(int64_t head, int64_t slot) const { return (head * slots + slot) * d; }
+};
+
+static Pool pool_of(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t layer) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), "pools must be [layers, kv_heads, slots, d]");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "key and value pools must share a dtype");
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16,
+              "pools must be float32 or bfloat16");
+  TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "layer out of range");
+  bool bf16 = k_pool.scalar_type() == at::kBFloat16;
+  int64_t per_layer = k_pool.size(1) * k_pool.size(2) * k_pool.size(3);
+  int64_t es = bf16 ? 2 : 4;
+  return {(char*)k_pool.data_ptr() + layer * per_layer * es, (char*)v_pool.data_ptr() + layer * per_layer * es, bf16,
+          k_pool.size(1), k_pool.size(2), k_pool.size(3)};
+}
+
+static inline void store(const Pool& p, void* base, int64_t off, const float* src) {
+  if (p.bf16) {
+    uint16_t* dst = (uint16_t*)base + off;
+    for (int64_t i = 0; i < p.d; i++) dst[i] = bf16_bits(src[i]);
+  } else {
+    std::memcpy((float*)base + off, src, p.d * sizeof(float));
+  }
+}
+
+// The step's queries rotated into q [n, heads, d]; the rotated keys and the values stored in the
+// pool at `slots`. x [n, (heads + 2 kv) d] float32, cos and sin [n, d] float32 with sin signed so
+// that rotate_half(x) * sin == x[(i + d/2) % d] * sin_signed[i]. Each product is rounded before the
+// sum, as the tensor expression x * cos + roll(x, d/2) * sin is.
+static void rope_core(const float* xp, int64_t n, int64_t heads, int64_t kv_heads, const float* cp, const float* sp,
+                      const Pool& p, const int64_t* slp, float* qp) {
+  int64_t d = p.d, units = heads + 2 * kv_heads, width = units * d, half = d / 2;
+  at::parallel_for(0, n * units, 16, [&](int64_t u0, int64_t u1) {
+    std::vector<float> rotated(d);
+    for (int64_t u = u0; u < u1; u++) {
+      int64_t r = u / units, j = u % units;
+      const float* src = xp + r * width + j * d;
+      if (j >= heads + kv_heads) {  // a value head: stored as it is
+        store(p, p.v, p.at(j - heads - kv_heads, slp[r]), src);
+        continue;
+      }
+      const float *cr = cp + r * d, *sr = sp + r * d;
+      float* dst = j < heads ? qp + (r * heads + j) * d : rotated.data();
+      for (int64_t i = 0; i < d; i++) {
+        float a = src[i] * cr[i];
+        float b = src[(i + half) % d] * sr[i];
+        dst[i] = a + b;
+      }
+      if (j >= heads) store(p, p.k, p.at(j - heads, slp[r]), rotated.data());
+    }
+  });
+}
+
+static void check_slots(const int64_t* slots, int64_t n, const Pool& p) {
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK(slots[i] >= 0 && slots[i] < p.slots, "slot out of range");
+}
+
+// q [N, heads, d] float32 (rope_core) from qkv [N, (heads + 2 kv_heads) d] (float32 or bfloat16).
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
+                      at::Tensor v_pool, int64_t layer, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % (heads + 2 * kv_heads) == 0, "qkv must be [N, (h + 2 kv) d]");
+  int64_t n = qkv.size(0), d = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  Pool p = pool_of(k_pool, v_pool, layer);
+  TORCH_CHECK(p.kv_heads == kv_heads && p.d == d, "the pools' heads or head_dim do not match qkv");
+  at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == n && c.size(1) == d && s.sizes() == c.sizes(), "cos, sin must be [N, d]");
+  at::Tensor sl = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(sl.numel() == n, "one slot per row");
+  check_slots(sl.data_ptr<int64_t>(), n, p);
+  at::Tensor x = qkv.to(at::kFloat).contiguous();
+  at::Tensor q = at::empty({n, heads, d}, at::kFloat);
+  rope_core(x.data_ptr<float>(), n, heads, kv_heads, c.data_ptr<float>(), s.data_ptr<float>(), p,
+            sl.data_ptr<int64_t>(), q.data_ptr<float>());
+  return q;
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+// sum_i q[i] * key[i]; key from the pool (float32 or bfloat16).
+static float dot_scalar(const float* q, const Pool& p, int64_t off, int64_t d) {
+  float acc = 0.f;
+  if (p.bf16) {
+    const uint16_t* k = (const uint16_t*)p.k + off;
+    for (int64_t i = 0; i < d; i++) acc += q[i] * bf16_value(k[i]);
+  } else {
+    const float* k = (const float*)p.k + off;
+    for (int64_t i = 0; i < d; i++) acc += q[i] * k[i];
+  }
+  return acc;
+}
+
+// acc[i] += w * value[i].
+static void axpy_scalar(float* acc, float w, const Pool& p, int64_t off, int64_t d) {
+  if (p.bf16) {
+    const uint16_t* v = (const uint16_t*)p.v + off;
+    for (int64_t i = 0; i < d; i++) acc[i] += w * bf16_value(v[i]);
+  } else {
+    const float* v = (const float*)p.v + off;
+    for (int64_t i = 0; i < d; i++) acc[i] += w * v[i];
+  }
+}
+
+#if SG_X86
+SG_AVX512 static inline __m512 load16(const void* base, int64_t off, bool bf16) {
+  if (bf16) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps((const float*)base + off);
+}
+
+SG_AVX512 static float dot_avx512(const float* q, const Pool& p, int64_t off, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(p.k, off + i, p.bf16), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+SG_AVX512 static void axpy_avx512(float* acc, float w, const Pool& p, int64_t off, int64_t d) {
+  __m512 wv = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < d; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(p.v, off + i, p.bf16), _mm512_loadu_ps(acc + i)));
+}
+
+// e[i] = exp(x[i] - m), and their sum in index order.
+SG_AVX512 static float exp_sum_avx512(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv)));
+  if (i < n) {
+    __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+  }
+  float s = 0.f;
+  for (int64_t j = 0; j < n; j++) s += x[j];
+  return s;
+}
+
+SG_AVX2 static inline __m256 load8(const void* base, int64_t off, bool bf16) {
+  if (bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + off));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps((const float*)base + off);
+}
+
+SG_AVX2 static float dot_avx2(const float* q, const Pool& p, int64_t off, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(p.k, off + i, p.bf16), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+SG_AVX2 static void axpy_avx2(float* acc, float w, const Pool& p, int64_t off, int64_t d) {
+  __m256 wv = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8(p.v, off + i, p.bf16), _mm256_loadu_ps(acc + i)));
+}
+#endif
+
+// One attention call: a group of b sequences with t query rows each (BatchedGroup in
+// engine/attention.py). Query i is packed row qi[i] (start + i where qi is null); it sees key s of
+// its sequence bi = i / t, at pool slot kv[bi * S + s], where mask[i * S + s] (every s if null).
+struct AttendCall {
+  const int64_t* kv;
+  int64_t b, S, t, start;
+  const int64_t* qi;
+  const bool* mask;
+};
+
+// out [b * t, heads, d] for q [N, heads, d] (float32).
+static void attend_core(const float* qp, int64_t heads, const Pool& p, const AttendCall& c, float sc, float* op) {
+  int64_t d = p.d, rows = c.b * c.t, group = heads / p.kv_heads, S = c.S;
+  int64_t level = isa_level_for_activations();
+  bool v512 = SG_X86 && level >= 2 && d % 16 == 0, v256 = SG_X86 && level >= 1 && d % 8 == 0;
+  (void)v512;
+  (void)v256;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> score(S);
+    std::vector<int64_t> offs(S);
+    for (int64_t u = u0; u < u1; u++) {
+      int64_t i = u / heads, h = u % heads, bi = i / c.t, head = h / group;
+      const float* qv = qp + ((c.qi ? c.qi[i] : c.start + i) * heads + h) * d;
+      const bool* visible = c.mask ? c.mask + i * S : nullptr;
+      int64_t m = 0;
+      for (int64_t s = 0; s < S; s++)
+        if (!visible || visible[s]) offs[m++] = p.at(head, c.kv[bi * S + s]);
+      float* o = op + u * d;
+      std::fill(o, o + d, 0.f);
+      if (m == 0) continue;  // a padded query with no keys: zeros, as it is discarded
+      float top = -INFINITY, total;
+#if SG_X86
+      if (v512) {
+        for (int64_t j = 0; j < m; j++) score[j] = dot_avx512(qv, p, offs[j], d) * sc;
+      } else if (v256) {
+        for (int64_t j = 0; j < m; j++) score[j] = dot_avx2(qv, p, offs[j], d) * sc;
+      } else
+#endif
+      {
+        for (int64_t j = 0; j < m; j++) score[j] = dot_scalar(qv, p, offs[j], d) * sc;
+      }
+      for (int64_t j = 0; j < m; j++) top = std::max(top, score[j]);
+#if SG_X86
+      if (v512) {
+        total = exp_sum_avx512(score.data(), m, top);
+      } else
+#endif
+      {
+        total = 0.f;
+        for (int64_t j = 0; j < m; j++) total += (score[j] = std::exp(score[j] - top));
+      }
+#if SG_X86
+      if (v512) {
+        for (int64_t j = 0; j < m; j++) axpy_avx512(o, score[j], p, offs[j], d);
+      } else if (v256) {
+        for (int64_t j = 0; j < m; j++) axpy_avx2(o, score[j], p, offs[j], d);
+      } else
+#endif
+      {
+        for (int64_t j = 0; j < m; j++) axpy_scalar(o, score[j], p, offs[j], d);
+      }
+      float inv = 1.f / total;
+      for (int64_t k = 0; k < d; k++) o[k] *= inv;
+    }
+  });
+}
+
+// An AttendCall from tensors, checked against q's n rows and the pool; `keep` holds the converted
+// tensors its pointers refer to.
+static AttendCall attend_call(const at::Tensor& kv_slots, int64_t start, const at::Tensor& q_index,
+                              const at::Tensor& mask, int64_t t, int64_t n, const Pool& p,
+                              std::vector<at::Tensor>& keep) {
+  at::Tensor kv = kv_slots.to(at::kLong).contiguous();
+  TORCH_CHECK(kv.dim() == 2 && t > 0, "kv_slots must be [b, S] and t positive");
+  int64_t b = kv.size(0), S = kv.size(1), rows = b * t;
+  check_slots(kv.data_ptr<int64_t>(), b * S, p);
+  at::Tensor qi = q_index.to(at::kLong).contiguous();
+  TORCH_CHECK(qi.numel() == 0 || qi.numel() == rows, "q_index must have b * t entries, or none");
+  const int64_t* qip = qi.numel() ? qi.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < rows; i++) {
+    int64_t r = qip ? qip[i] : start + i;
+    TORCH_CHECK(r >= 0 && r < n, "query row out of range");
+  }
+  const bool* mp = nullptr;
+  if (mask.defined() && mask.numel() > 0) {
+    at::Tensor mk = mask.to(at::kBool).contiguous();
+    TORCH_CHECK(mk.numel() == rows * S, "mask must be [b, (1,) t, S]");
+    mp = mk.data_ptr<bool>();
+    keep.push_back(mk);
+  }
+  keep.push_back(kv);
+  keep.push_back(qi);
+  return {kv.data_ptr<int64_t>(), b, S, t, start, qip, mp};
+}
+
+// out [b * t, heads, d] float32 of one AttendCall over q [N, heads, d] (float32).
+at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t layer,
+                        const at::Tensor& kv_slots, int64_t start, const at::Tensor& q_index,
+                        const c10::optional<at::Tensor>& mask, int64_t t, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float [N, heads, d]");
+  Pool p = pool_of(k_pool, v_pool, layer);
+  TORCH_CHECK(p.d == q.size(2) && q.size(1) % p.kv_heads == 0, "the pools do not match q's heads or head_dim");
+  std::vector<at::Tensor> keep;
+  AttendCall c = attend_call(kv_slots, start, q_index, mask.has_value() ? *mask : at::Tensor(), t, q.size(0), p, keep);
+  at::Tensor out = at::empty({c.b * c.t, q.size(1), q.size(2)}, at::kFloat);
+  attend_core(q.data_ptr<float>(), q.size(1), p, c, (float)scale, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace sg
