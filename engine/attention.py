@@ -217,11 +217,6 @@ def paged_attention(
     return out
 
 
-# Long chunks up to this many queries (verifications of more than SHORT_MAX_TOKENS drafts, short
-# prefill chunks) take the native kernel too: a verified row and the plain decode of the same
-# position then see the same arithmetic. Longer prefill chunks go to SDPA, whose matrix products
-# are much faster there.
-NATIVE_CHUNK_MAX = 64
 _NO_INDEX = torch.empty(0, dtype=torch.long)
 
 
@@ -248,28 +243,21 @@ def native_paged_attention(
         if g.out_index is not None:
             o = o.index_select(0, g.out_index)  # [num_tokens, heads, head_dim]
         out[g.start : g.start + g.num_tokens] = o
+    # Prefill chunks too: each query reads its own visible keys in position order, so its result
+    # does not depend on where a chunk starts or ends, or on whether its prefix came from the cache.
     for chunk in meta.long_chunks:
         t = chunk.end - chunk.start
-        if t <= NATIVE_CHUNK_MAX:
-            slots = chunk.kv_slots.view(1, -1)
-            o = ops.paged_attend(
-                q, cache.k, cache.v, layer, slots, chunk.start, _NO_INDEX, chunk.mask, t, scale
-            )
-        else:
-            k, v = cache.read(layer, chunk.kv_slots, chunk.kv_start)  # [kv_heads, S, head_dim]
-            qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
-            o = _sdpa(qc, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), chunk.mask, scale)
-            o = o[0].transpose(0, 1)  # [T, heads, head_dim]
-        out[chunk.start : chunk.end] = o
+        slots = chunk.kv_slots.view(1, -1)
+        out[chunk.start : chunk.end] = ops.paged_attend(
+            q, cache.k, cache.v, layer, slots, chunk.start, _NO_INDEX, chunk.mask, t, scale
+        )
     return out
 
 
-def native_calls(meta: AttentionMetadata) -> tuple[list[Any], ...] | None:
+def native_calls(meta: AttentionMetadata) -> tuple[list[Any], ...]:
     """The step's attention calls as the native decoder takes them (engine/kernels/decoder.h): lists
-    of kv_slots, starts, q_index, masks, t, out_index, out_start, out_count, one entry per call; None
-    where a long chunk needs SDPA."""
-    if any(c.end - c.start > NATIVE_CHUNK_MAX for c in meta.long_chunks):
-        return None
+    of kv_slots, starts, q_index, masks, t, out_index, out_start, out_count, one entry per call (the
+    same calls `native_paged_attention` makes)."""
     lists: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [])
     for g in meta.groups:
         entry = (

@@ -6,7 +6,7 @@
 // layers back to back here, with the same functions, in the same order, as the per-layer path in
 // engine/models/llama.py (RMSNorm, product, rotation and pool stores, attention, product and
 // residual add, RMSNorm, product, SwiGLU, product and residual add): the two give bit-identical
-// results, so a step may take either path and no token changes.
+// results.
 
 #pragma once
 

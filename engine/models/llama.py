@@ -296,9 +296,8 @@ class CompactCausalLM(nn.Module):
         cache, slots = meta.kv_cache, meta.slot_mapping
         residual, eps = x, self.eps
         decoder = self._decoder
-        calls = native_calls(meta) if decoder is not None and dtype == torch.float32 else None
-        if decoder is not None and calls is not None:  # bit-identical to the loop below, in one call
-            residual = decoder.forward(x, cos, sin, cache.k, cache.v, slots, *calls)
+        if decoder is not None and dtype == torch.float32:  # bit-identical to the loop below, in one call
+            residual = decoder.forward(x, cos, sin, cache.k, cache.v, slots, *native_calls(meta))
             return rms_norm(residual, self.norm, eps)
         for i, (qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_norm, _m) in enumerate(
             self._plan

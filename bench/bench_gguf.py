@@ -1,0 +1,179 @@
+"""A GGUF model on the native kernels: decode speed against llama.cpp, and speculation arms.
+
+    python bench/bench_gguf.py decode --model qwen2.5-coder-1.5b [--tokens 64] [--reps 4]
+    python bench/bench_gguf.py spec --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+
+`decode`: batch 1, greedy, one prompt; specgate's engine and llama-cpp-python's `Llama.generate`
+on the same file in one process, the same thread count, repetitions interleaved; the mean time per
+token of each repetition and the ratio llama.cpp / specgate (above 1: specgate is faster).
+
+`spec`: batch 1, greedy; per prompt of the shipped categories, every arm back to back on one engine
+(plain, n-gram, suffix, the draft model with the goodput controller and with K = 4, an n-gram
+tree); tokens/s after the first token, the ratio to plain, the mean accepted length, and whether
+each arm's tokens equal plain's. The prefix cache is on, so arms after the first skip the target's
+prefill (not timed anyway).
+
+--model / --draft: a GGUF path or a name from bench/models.py (default: the embedded model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from specgate.bench.models import resolve
+from specgate.bench.serve.datasets import shipped
+from specgate.engine.config import EngineConfig
+from specgate.engine.engine import Engine
+from specgate.engine.loader import default_model_source
+from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode.params import SpecParams
+
+PROMPT = "Write a Python function that parses a CSV file and returns a list of dicts."
+SPEC_CATEGORIES = "code,summarization,rag,tool_call,open_chat,translation"
+
+
+def gguf_path(name: str | None) -> str:
+    path = resolve(name)
+    if path is not None:
+        return path
+    src = default_model_source()
+    assert src.gguf_file is not None, "the default model ships as a GGUF file"
+    return str(src.directory / src.gguf_file)
+
+
+def _mean_gap_ms(times: list[float]) -> float:
+    """Mean time between consecutive tokens after the first, in ms."""
+    return (times[-1] - times[1]) / (len(times) - 2) * 1000
+
+
+def decode(args: argparse.Namespace) -> int:
+    from llama_cpp import Llama
+
+    path = gguf_path(args.model)
+    engine = Engine(EngineConfig(model=path, prefix_caching=False))
+    llm = Llama(model_path=path, n_threads=torch.get_num_threads(), n_ctx=1024, verbose=False)
+    ids = engine.tokenizer.encode(PROMPT)
+    n = args.tokens
+
+    def ours() -> float:
+        engine.add_request("r", list(ids), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        times = []
+        while engine.has_unfinished():
+            engine.step()
+            times.append(time.perf_counter())
+        return _mean_gap_ms(times)
+
+    def theirs() -> float:
+        times: list[float] = []
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            times.append(time.perf_counter())
+            if len(times) >= n:
+                break
+        return _mean_gap_ms(times)
+
+    ours(), theirs()  # warm-up
+    print(f"{os.path.basename(path)}: {n} greedy tokens, {torch.get_num_threads()} threads")
+    print("| repetition | specgate ms/token | llama.cpp ms/token | llama.cpp / specgate |")
+    print("|---|---|---|---|")
+    ratios = []
+    for rep in range(args.reps):
+        a, b = ours(), theirs()
+        ratios.append(b / a)
+        print(f"| {rep + 1} | {a:.2f} | {b:.2f} | {b / a:.3f} |", flush=True)
+    print(f"median ratio {statistics.median(ratios):.3f}")
+    return 0
+
+
+def spec_arms() -> dict[str, SpecParams | None]:
+    return {
+        "plain": None,
+        "ngram": SpecParams(method="ngram"),
+        "suffix": SpecParams(method="suffix"),
+        "draft": SpecParams(method="draft_model"),
+        "draft K=4": SpecParams(
+            method="draft_model", controller="static", num_speculative_tokens=4, max_tree_nodes=0
+        ),
+        "ngram tree": SpecParams(method="ngram", k_max=8, max_tree_nodes=16),
+    }
+
+
+def spec(args: argparse.Namespace) -> int:
+    options: dict[str, dict[str, Any]] = {}
+    arms = spec_arms()
+    if args.draft:
+        options["draft_model"] = {"model": gguf_path(args.draft)}
+    else:
+        arms = {k: v for k, v in arms.items() if not (v and v.method == "draft_model")}
+    engine = Engine(EngineConfig(model=gguf_path(args.model), prefix_caching=True, proposer_options=options))
+    categories = [c for c in args.categories.split(",") if c]
+    rates: dict[tuple[str, str], list[float]] = defaultdict(list)
+    accepted: dict[tuple[str, str], list[float]] = defaultdict(list)
+    same: dict[str, bool] = {name: True for name in arms}
+    for i, req in enumerate(shipped(args.per_category, args.tokens, categories)):
+        text = engine.tokenizer.apply_chat_template(
+            req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
+        )
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        plain: list[int] = []
+        for name, params in arms.items():
+            sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"{name}-{i}", list(ids), sampling, params)
+            tokens: list[int] = []
+            first, last = 0.0, None
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.new_token_ids and not first:
+                        first = time.perf_counter()
+                    tokens.extend(out.new_token_ids)
+                    last = out
+            rates[(req.category, name)].append((len(tokens) - 1) / (time.perf_counter() - first))
+            plain = tokens if params is None else plain
+            same[name] = same[name] and tokens == plain
+            st = last.stats.spec if last is not None and last.stats is not None else None
+            if st is not None and st.num_drafts:
+                accepted[(req.category, name)].append(st.mean_acceptance_length)
+        print(f"prompt {i + 1} ({req.category}) done", file=sys.stderr, flush=True)
+    print(f"\n{os.path.basename(gguf_path(args.model))}: batch 1, {args.tokens} greedy tokens")
+    print("| category | " + " | ".join(arms) + " |")
+    print("|---" * (len(arms) + 1) + "|")
+    for cat in categories:
+        base = statistics.mean(rates[(cat, "plain")])
+        cells = [f"{base:.1f} tok/s"]
+        for name in list(arms)[1:]:
+            v = statistics.mean(rates[(cat, name)])
+            acc = accepted.get((cat, name))
+            cells.append(f"{v / base:.2f}x" + (f" (len {statistics.mean(acc):.2f})" if acc else ""))
+        print(f"| {cat} | " + " | ".join(cells) + " |")
+    print("outputs equal to plain: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
+    return 0 if all(same.values()) else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("decode", help="decode speed against llama.cpp")
+    d.add_argument("--model", default=None)
+    d.add_argument("--tokens", type=int, default=64)
+    d.add_argument("--reps", type=int, default=4)
+    s = sub.add_parser("spec", help="speculation arms, per category")
+    s.add_argument("--model", default=None)
+    s.add_argument("--draft", default=None, help="draft model for the draft_model arms (none: no such arms)")
+    s.add_argument("--categories", default=SPEC_CATEGORIES)
+    s.add_argument("--per-category", type=int, default=1)
+    s.add_argument("--tokens", type=int, default=96)
+    args = ap.parse_args()
+    return decode(args) if args.command == "decode" else spec(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
