@@ -20,7 +20,8 @@ from specgate.engine.models.llama import ModePlan
 
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _FINE_TYPES = frozenset({"Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"})
-_HF_TO_GGUF = {
+# Hugging Face projection names -> GGUF tensor names, as llama.cpp's converter writes them.
+HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -41,9 +42,9 @@ def gguf_name(hf_name: str, tensor_names: frozenset[str]) -> str | None:
     if hf_name == "lm_head.weight":
         return "output.weight" if "output.weight" in tensor_names else "token_embd.weight"
     m = _LAYER.fullmatch(hf_name)
-    if m is None or m.group(2) not in _HF_TO_GGUF:
+    if m is None or m.group(2) not in HF_TO_GGUF:
         return None
-    return f"blk.{m.group(1)}.{_HF_TO_GGUF[m.group(2)]}.weight"
+    return f"blk.{m.group(1)}.{HF_TO_GGUF[m.group(2)]}.weight"
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:

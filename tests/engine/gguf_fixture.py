@@ -17,6 +17,16 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from specgate.engine.loader import ModelSource, converted_dir
+from specgate.engine.models.plan import HF_TO_GGUF
+
+# Hugging Face state-dict names -> GGUF tensor names: the model-wide tensors, and the parts of a
+# layer (model.layers.<i>.<part>.<kind> -> blk.<i>.<gguf part>.<kind>).
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
+    "model.norm.weight": "output_norm.weight",
+}
+LAYER_PARTS = {**HF_TO_GGUF, "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
 def _f16(values: np.ndarray) -> np.ndarray:
@@ -110,22 +120,7 @@ def write_gguf(
     writer = GGUFWriter(out, arch)
     writer.add_block_count(config.num_hidden_layers)
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "lm_head.weight": "output.weight",
-        "model.norm.weight": "output_norm.weight",
-    }
-    parts = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
+    names, parts = GLOBAL_NAMES, LAYER_PARTS
     for name, tensor in model.state_dict().items():
         if name in names:
             gguf_name = names[name]

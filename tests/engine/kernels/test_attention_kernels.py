@@ -5,8 +5,6 @@ instruction set this CPU has, and a query's result independent of the rest of it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,13 +18,6 @@ pytestmark = pytest.mark.skipif(
 
 def ops():  # type: ignore[no-untyped-def]
     return extension.ops()
-
-
-@pytest.fixture
-def levels() -> Iterator[list[int]]:
-    best = extension.isa_level()
-    yield list(range(best + 1))
-    ops().set_isa_level(best)
 
 
 def pools(

@@ -5,8 +5,6 @@ the layer's own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -29,14 +27,6 @@ K_COLS = [256, 1536]
 
 def ops():  # type: ignore[no-untyped-def]
     return extension.ops()
-
-
-@pytest.fixture
-def levels() -> Iterator[list[int]]:
-    """The instruction sets this CPU runs (0 portable, 1 AVX2, 2 AVX-512 VNNI); restored after."""
-    best = extension.isa_level()
-    yield list(range(best + 1))
-    ops().set_isa_level(best)
 
 
 def blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -23,7 +23,7 @@ from specgate.engine.models.quantized import GGUFEmbedding, GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
-from tests.engine.gguf_fixture import write_gguf
+from tests.engine.gguf_fixture import GLOBAL_NAMES, LAYER_PARTS, write_gguf
 
 pytestmark = pytest.mark.skipif(
     not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
@@ -102,22 +102,7 @@ def _dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "lm_head.weight": "output.weight",
-        "model.norm.weight": "output_norm.weight",
-    }
-    parts = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
+    names, parts = GLOBAL_NAMES, LAYER_PARTS
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             gguf_name = names.get(name)
