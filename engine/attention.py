@@ -225,39 +225,23 @@ def native_paged_attention(
 ) -> torch.Tensor:
     """Attention of a step whose keys and values `ops.rope_store` has already put in the pool, on the
     native kernels (engine/kernels/attention.h): q [num_tokens, heads, head_dim] float32, returns the
-    same shape."""
+    same shape. The calls are `native_calls(meta)`, as the one-call decoder makes them."""
     cache = meta.kv_cache
-    n = q.shape[0]
-    if len(meta.groups) == 1 and not meta.long_chunks:
-        g = meta.groups[0]
-        if g.out_index is None and g.num_tokens == n:
-            index = _NO_INDEX if g.q_index is None else g.q_index
-            whole: torch.Tensor = ops.paged_attend(
-                q, cache.k, cache.v, layer, g.kv_slots, g.start, index, g.mask, g.t, scale
-            )
-            return whole
+    calls = zip(*native_calls(meta), strict=True)
     out = torch.empty_like(q)
-    for g in meta.groups:
-        index = _NO_INDEX if g.q_index is None else g.q_index
-        o = ops.paged_attend(q, cache.k, cache.v, layer, g.kv_slots, g.start, index, g.mask, g.t, scale)
-        if g.out_index is not None:
-            o = o.index_select(0, g.out_index)  # [num_tokens, heads, head_dim]
-        out[g.start : g.start + g.num_tokens] = o
-    # Prefill chunks too: each query reads its own visible keys in position order, so its result
-    # does not depend on where a chunk starts or ends, or on whether its prefix came from the cache.
-    for chunk in meta.long_chunks:
-        t = chunk.end - chunk.start
-        slots = chunk.kv_slots.view(1, -1)
-        out[chunk.start : chunk.end] = ops.paged_attend(
-            q, cache.k, cache.v, layer, slots, chunk.start, _NO_INDEX, chunk.mask, t, scale
-        )
+    for kv_slots, start, q_index, mask, t, out_index, out_start, out_count in calls:
+        o = ops.paged_attend(q, cache.k, cache.v, layer, kv_slots, start, q_index, mask, t, scale)
+        if out_index.numel():
+            o = o.index_select(0, out_index)  # [out_count, heads, head_dim]
+        out[out_start : out_start + out_count] = o
     return out
 
 
 def native_calls(meta: AttentionMetadata) -> tuple[list[Any], ...]:
     """The step's attention calls as the native decoder takes them (engine/kernels/decoder.h): lists
-    of kv_slots, starts, q_index, masks, t, out_index, out_start, out_count, one entry per call (the
-    same calls `native_paged_attention` makes)."""
+    of kv_slots, starts, q_index, masks, t, out_index, out_start, out_count, one entry per call.
+    Prefill chunks too: each query reads its own visible keys in position order, so its result does
+    not depend on where a chunk starts or ends, or on whether its prefix came from the cache."""
     lists: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [])
     for g in meta.groups:
         entry = (
