@@ -82,10 +82,27 @@ def _in_vocab(token_ids: Iterable[int], vocab: int, param: str, what: str) -> No
         raise GatewayError(400, f"{what} in [0, {vocab}) for this model", code="invalid_value", param=param)
 
 
+# vLLM's structured-output fields, which arrive as extras: the engine cannot constrain decoding
+# yet, so a request carrying one is refused rather than answered unconstrained.
+CONSTRAINT_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+
+
 def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
     if (req.n or 1) > 1:
         raise _refuse("n > 1 is not supported by the embedded engine; send n separate requests", "n")
+    extra = req.model_extra or {}
+    for name in CONSTRAINT_FIELDS:
+        if extra.get(name) is not None:
+            raise _refuse(f"{name} (constrained decoding) is not supported by the embedded engine", name)
     if isinstance(req, ChatCompletionRequest):
         prompt_ids, tools = _chat_prompt(req, model)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -78,6 +78,8 @@ def test_stream(client: openai.OpenAI, model_name: str) -> None:
         ({"prompt": "a", "best_of": 2}, "best_of"),
         ({"prompt": [100000]}, "prompt"),
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+        ({"prompt": "a", "extra_body": {"structured_outputs": {"choice": ["a"]}}}, "structured_outputs"),
     ],
 )
 def test_refusals(client: openai.OpenAI, model_name: str, kwargs: dict, param: str) -> None:
