@@ -11,7 +11,11 @@
 
 #pragma once
 
-#include "quantized_matmul.h"
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_features.h"
+#include "layer_math.h"
 
 #include <vector>
 
@@ -217,7 +221,7 @@ struct AttendCall {
 // out [b * t, heads, d] for q [N, heads, d] (float32).
 static void attend_core(const float* qp, int64_t heads, const Pool& p, const AttendCall& c, float sc, float* op) {
   int64_t d = p.d, rows = c.b * c.t, group = heads / p.kv_heads, S = c.S;
-  int64_t level = isa_level_for_activations();
+  int64_t level = isa();
   bool v512 = SG_X86 && level >= 2 && d % 16 == 0, v256 = SG_X86 && level >= 1 && d % 8 == 0;
   (void)v512;
   (void)v256;

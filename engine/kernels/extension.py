@@ -30,7 +30,15 @@ import torch
 logger = logging.getLogger("specgate.engine.kernels")
 SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
 # Every file the translation unit includes: a change to any of them is a new build.
-PARTS = ("gguf_kernels.cpp", "quantized_matmul.h", "attention.h", "decoder.h")
+PARTS = (
+    "gguf_kernels.cpp",
+    "cpu_features.h",
+    "gguf_blocks.h",
+    "layer_math.h",
+    "quantized_matmul.h",
+    "attention.h",
+    "decoder.h",
+)
 NAMESPACE = "specgate_gguf"
 
 _state: dict[str, object] = {}
@@ -192,7 +200,9 @@ def _register_fakes() -> None:
         return qkv.new_empty(qkv.shape[0], heads, d, dtype=torch.float32)
 
     @torch.library.register_fake(f"{NAMESPACE}::dequantize_rows")  # type: ignore[untyped-decorator]
-    def _dequantize_rows(w: torch.Tensor, type_id: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    def _dequantize_rows(
+        w: torch.Tensor, type_id: int, in_features: int, rows: int, ids: torch.Tensor
+    ) -> torch.Tensor:
         return w.new_empty(ids.numel(), in_features, dtype=torch.float32)
 
 

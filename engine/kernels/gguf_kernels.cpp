@@ -8,50 +8,41 @@
 
 namespace sg {
 
-int64_t packed_row_bytes(int64_t type, int64_t in_features) { return row_shape(type, in_features).bytes; }
+// Bytes of one packed panel (16 output rows) of a matrix with `in_features` inputs.
+int64_t packed_panel_bytes(int64_t type, int64_t in_features) { return panel_bytes(type, in_features); }
 
+// Panels [ceil(rows / 16), panel bytes] from a GGUF tensor's raw blocks [rows, row bytes].
 at::Tensor repack(const at::Tensor& src, int64_t type, int64_t in_features) {
   TORCH_CHECK(src.dtype() == at::kByte && src.dim() == 2 && src.is_contiguous(), "src must be uint8 [rows, bytes]");
-  Layout L = layout_of(type);
-  TORCH_CHECK(src.size(1) == in_features / L.src_block * L.src_bytes, "row bytes do not match the type");
-  int64_t rows = src.size(0), out_bytes = row_shape(type, in_features).bytes;
-  at::Tensor dst = at::empty({rows, out_bytes}, at::kByte);
-  const uint8_t* s = src.data_ptr<uint8_t>();
-  uint8_t* d = dst.data_ptr<uint8_t>();
-  int64_t sb = src.size(1);
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) repack_row(type, s + r * sb, in_features, d + r * out_bytes);
-  });
-  return dst;
+  check_type(type);
+  return repack_rows(src.data_ptr<uint8_t>(), src.size(0), src.size(1), type, in_features);
 }
 
 // Dense fp32 rows of a packed matrix (the embedding table's lookups; references in tests).
-at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, int64_t in_features, const at::Tensor& ids) {
-  TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous(), "w must be packed uint8 rows");
-  RowShape rs = row_shape(type, in_features);
+// `rows`: the matrix's rows (its panels hold up to 15 more, padding).
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, int64_t in_features, int64_t rows, const at::Tensor& ids) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "w must be packed uint8 panels");
+  int64_t pb = panel_bytes(type, in_features);
+  TORCH_CHECK(w.size(1) == pb, "packed panel bytes do not match the type");
   Layout L = layout_of(type);
   at::Tensor idx = ids.to(at::kLong).contiguous();
   int64_t n = idx.numel();
+  TORCH_CHECK(w.size(0) == panels_of(rows), "the panels do not hold ", rows, " rows");
   at::Tensor out = at::empty({n, in_features}, at::kFloat);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  int64_t rows = w.size(0);
   for (int64_t i = 0; i < n; i++) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "row id out of range");
   at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
     uint8_t u[256];
     float scale[16], bias[16];
     for (int64_t i = a; i < b; i++) {
-      const uint8_t* row = wp + ip[i] * w.size(1);
+      const uint8_t* panel = wp + (ip[i] / PANEL) * pb;
       float* dst = op + i * in_features;
-      for (int64_t s = 0; s < rs.n_sb; s++) {
-        unpack_sb(type, row + s * L.sb_bytes, u, scale, bias);
-        for (int j = 0; j < 256; j++) dst[256 * s + j] = scale[j / L.group] * u[j] + bias[j / L.group];
-      }
-      for (int64_t t = 0; t < rs.n_tail; t++) {
-        unpack_tail(type, row + rs.n_sb * L.sb_bytes + t * L.tail_bytes, u, scale, bias);
-        int64_t start = 256 * rs.n_sb + 64 * t;
-        for (int j = 0; j < 64 && start + j < in_features; j++) dst[start + j] = scale[j >> 5] * u[j] + bias[j >> 5];
+      for (int64_t s = 0; s < units_of(type, in_features); s++) {
+        unpack_row(type, panel + s * L.unit_bytes, (int)(ip[i] % PANEL), u, scale, bias);
+        for (int j = 0; j < L.unit && L.unit * s + j < in_features; j++)
+          dst[L.unit * s + j] = scale[j / L.group] * u[j] + bias[j / L.group];
       }
     }
   });
@@ -104,8 +95,8 @@ TORCH_LIBRARY(SG_LIBRARY, m) {
   m.def(
       "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, int layer, Tensor kv_slots, int start, "
       "Tensor q_index, Tensor? mask, int t, float scale) -> Tensor");
-  m.def("dequantize_rows(Tensor w, int type, int in_features, Tensor ids) -> Tensor");
-  m.def("packed_row_bytes(int type, int in_features) -> int", &sg::packed_row_bytes);
+  m.def("dequantize_rows(Tensor w, int type, int in_features, int rows, Tensor ids) -> Tensor");
+  m.def("packed_panel_bytes(int type, int in_features) -> int", &sg::packed_panel_bytes);
   m.def("isa_level() -> int", &sg::isa_level);
   m.def("set_isa_level(int level) -> int", &sg::set_isa_level);
 }

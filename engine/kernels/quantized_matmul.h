@@ -1,21 +1,25 @@
 // Matrix products with GGUF-quantized weights on the CPU, at the weights' own bytes.
 //
-// Decoding reads every weight once per step, so a step costs (weight bytes) / (memory bandwidth).
-// These kernels read the GGUF file's blocks (repacked once at load, same bytes up to 3%) and never
-// widen them in memory: each superblock of 256 weights is unpacked into unsigned 8-bit codes in
-// registers and multiplied with the activations, quantized to signed 8 bits with a scale per 32
-// values, with integer dot products (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw) and one vector
-// float multiply-add per superblock and row.
+// Decoding reads every weight once per step, so a one-row product costs (weight bytes) / (memory
+// bandwidth); a product of a few rows (a verification step, a batch, a prefill chunk) should cost
+// little more, so the arithmetic per weight read must be small. The weights are read from panels of
+// 16 output rows (gguf_blocks.h): one 64-byte vector is 4 codes of each of 16 rows, the unsigned
+// operand of one VNNI dot product (vpdpbusd) whose signed operand is 4 activation values broadcast.
+// So the codes of a block of 32 are unpacked once into 8 such vectors and multiplied with up to
+// ROWS activation rows; the results of a row stay in the 16 lanes of its output rows, with no
+// horizontal sums.
 //
-// Every weight is w = scale[g] * u + bias[g] for its group g (32 weights, or 16 for Q6_K) and its
-// code u, so y = sum_g scale[g] * (sum_i u_i x_i) + bias[g] * (sum_i x_i). The packed layout puts
-// the codes of group g in fixed dot-product lanes (lanes g and g + 8 for groups of 32, lane g for
-// groups of 16) across the superblock's four 64-byte chunks, so the integer sums of a whole
-// superblock accumulate in one register with no per-group work. Activations are laid out the same
-// way when they are quantized.
+// Activations are quantized to signed 8 bits with a scale per 32 values (llama.cpp keeps one per 256
+// for K-quants; one per 256 lost about half the greedy agreement with the fp32 reference on the
+// default model). Every weight is w = scale[g] * u + bias[g] for its group g (32 weights, or 16 for
+// Q6_K) and its code u, so per group and row:
+//   y += (scale[g] * xscale) * sum(u * x) + bias[g] * (xscale * sum(x)).
+// Where bias[g] = -offset * scale[g] (the symmetric types) the second term is folded into the
+// integer sum, which starts at -offset * sum(x): exact, and one float op fewer.
 //
-// Results for a given (activation row, output) pair do not depend on how many rows are computed at
-// once or how the output rows are split between threads: a step's batch never changes a token.
+// A (row, output) result is the same floats whatever the number of rows in the call and however the
+// panels are split between threads: each row's lanes go through the same operations in the same
+// order, so a step's batch never changes a token.
 //
 // Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (superblocks of 256). The
 // Python side turns other types (Q2_K, Q3_K, ...) into Q8_0 first.
@@ -24,1090 +28,451 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define SG_X86 1
-#define SG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
-#define SG_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define SG_X86 0
-#endif
+#include "cpu_features.h"
+#include "gguf_blocks.h"
+#include "layer_math.h"
 
 namespace sg {
 
-// ggml's type ids.
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-struct Layout {
-  int64_t sb_bytes;     // bytes of one packed superblock (256 weights)
-  int64_t tail_bytes;   // bytes of one packed tail chunk (64 weights; blocks-of-32 types only)
-  int64_t src_block;    // weights per source block
-  int64_t src_bytes;    // bytes per source block
-  int group;            // weights per scale: 32, or 16 (Q6_K)
-  int bits;             // code width: 4, 5, 6 or 8
-  bool has_min;         // w = d * u + m (Q4_1, Q5_1, K4, K5), else w = d * (u - offset)
-};
-
-static Layout layout_of(int64_t type) {
-  switch (type) {
-    case Q4_0: return {144, 36, 32, 18, 32, 4, false};
-    case Q4_1: return {160, 40, 32, 20, 32, 4, true};
-    case Q5_0: return {176, 44, 32, 22, 32, 5, false};
-    case Q5_1: return {192, 48, 32, 24, 32, 5, true};
-    case Q8_0: return {272, 68, 32, 34, 32, 8, false};
-    case Q4_K: return {148, 0, 256, 144, 32, 4, true};
-    case Q5_K: return {180, 0, 256, 176, 32, 5, true};
-    case Q6_K: return {210, 0, 256, 210, 16, 6, false};
-    default: TORCH_CHECK(false, "unsupported GGUF type ", type);
-  }
-}
-
-static inline bool k_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-
-struct RowShape {
-  int64_t n_sb;    // superblocks per row
-  int64_t n_tail;  // tail chunks (64 weights) per row
-  int64_t bytes;   // packed bytes per row
-};
-
-static RowShape row_shape(int64_t type, int64_t in_features) {
-  Layout L = layout_of(type);
-  TORCH_CHECK(in_features % L.src_block == 0, "in_features ", in_features, " is not a multiple of ",
-              L.src_block);
-  int64_t n_sb = in_features / 256;
-  int64_t rest = in_features - 256 * n_sb;
-  TORCH_CHECK(!k_type(type) || rest == 0, "a K-quant row must be a multiple of 256 weights");
-  int64_t n_tail = (rest + 63) / 64;
-  return {n_sb, n_tail, n_sb * L.sb_bytes + n_tail * L.tail_bytes};
-}
-
-// ---- fp16 ---------------------------------------------------------------------------------------
-
-static inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        man <<= 1;
-        e++;
-      } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000 | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t rd16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static inline void wr16(uint8_t* p, uint16_t v) {
-  p[0] = (uint8_t)(v & 0xFF);
-  p[1] = (uint8_t)(v >> 8);
-}
-
-// ---- source blocks -> codes, scales and biases (scalar; load time and the reference path) ------
-
-// One source block's codes (unsigned) and the scale and bias of each of its groups.
-struct Decoded {
-  uint8_t u[256];
-  float scale[16];  // per group (of 32 or 16 weights)
-  float bias[16];
-  int16_t scale_q[16];  // K-quants: integer sub-scales (6 bits; Q6_K: signed 8 bits), for repacking
-  int16_t min_q[16];
-  uint16_t d, dmin;  // K-quants: the superblock's fp16 factors
-};
-
-static inline void k4_scale_min(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-static void decode_source(int64_t type, const uint8_t* b, Decoded& o) {
-  switch (type) {
-    case Q4_0:
-    case Q4_1:
-    case Q5_0:
-    case Q5_1: {
-      bool mn = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-      float d = half_to_float(rd16(b));
-      float m = mn ? half_to_float(rd16(b + 2)) : 0.f;
-      const uint8_t* p = b + (mn ? 4 : 2);
-      uint32_t qh = 0;
-      if (five) {
-        std::memcpy(&qh, p, 4);
-        p += 4;
-      }
-      for (int j = 0; j < 16; j++) {
-        int lo = p[j] & 0xF, hi = p[j] >> 4;
-        if (five) {
-          lo |= ((qh >> j) & 1) << 4;
-          hi |= ((qh >> (j + 16)) & 1) << 4;
-        }
-        o.u[j] = (uint8_t)lo;
-        o.u[j + 16] = (uint8_t)hi;
-      }
-      o.scale[0] = d;
-      o.bias[0] = mn ? m : -(five ? 16.f : 8.f) * d;
-      return;
-    }
-    case Q8_0: {
-      float d = half_to_float(rd16(b));
-      for (int j = 0; j < 32; j++) o.u[j] = (uint8_t)((int8_t)b[2 + j] + 128);
-      o.scale[0] = d;
-      o.bias[0] = -128.f * d;
-      return;
-    }
-    case Q4_K:
-    case Q5_K: {
-      o.d = rd16(b);
-      o.dmin = rd16(b + 2);
-      float d = half_to_float(o.d), dmin = half_to_float(o.dmin);
-      const uint8_t* sc = b + 4;
-      const uint8_t* qh = b + 16;
-      const uint8_t* ql = type == Q5_K ? b + 48 : b + 16;
-      for (int j = 0; j < 4; j++) {
-        int s1, m1, s2, m2;
-        k4_scale_min(2 * j, sc, s1, m1);
-        k4_scale_min(2 * j + 1, sc, s2, m2);
-        o.scale_q[2 * j] = (int16_t)s1;
-        o.min_q[2 * j] = (int16_t)m1;
-        o.scale_q[2 * j + 1] = (int16_t)s2;
-        o.min_q[2 * j + 1] = (int16_t)m2;
-        o.scale[2 * j] = d * s1;
-        o.bias[2 * j] = -dmin * m1;
-        o.scale[2 * j + 1] = d * s2;
-        o.bias[2 * j + 1] = -dmin * m2;
-        for (int l = 0; l < 32; l++) {
-          int lo = ql[32 * j + l] & 0xF, hi = ql[32 * j + l] >> 4;
-          if (type == Q5_K) {
-            lo |= ((qh[l] >> (2 * j)) & 1) << 4;
-            hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
-          }
-          o.u[64 * j + l] = (uint8_t)lo;
-          o.u[64 * j + 32 + l] = (uint8_t)hi;
-        }
-      }
-      return;
-    }
-    case Q6_K: {
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
-      const int8_t* sc = (const int8_t*)(b + 192);
-      o.d = rd16(b + 208);
-      float d = half_to_float(o.d);
-      for (int n = 0; n < 2; n++) {
-        const uint8_t* l8 = ql + 64 * n;
-        const uint8_t* h8 = qh + 32 * n;
-        for (int l = 0; l < 32; l++) {
-          o.u[128 * n + l] = (uint8_t)((l8[l] & 0xF) | (((h8[l] >> 0) & 3) << 4));
-          o.u[128 * n + l + 32] = (uint8_t)((l8[l + 32] & 0xF) | (((h8[l] >> 2) & 3) << 4));
-          o.u[128 * n + l + 64] = (uint8_t)((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4));
-          o.u[128 * n + l + 96] = (uint8_t)((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4));
-        }
-      }
-      for (int g = 0; g < 16; g++) {
-        o.scale_q[g] = sc[g];
-        o.scale[g] = d * sc[g];
-        o.bias[g] = -32.f * d * sc[g];
-      }
-      return;
-    }
-    default:
-      TORCH_CHECK(false, "unsupported GGUF type ", type);
-  }
-}
-
-// The weight of superblock position (chunk c, lane l, byte b) for groups of `group` weights: for
-// groups of 32, lane l holds group l % 8 (so the two halves of a chunk hold the same groups, and
-// their sums add lane by lane); for groups of 16, lane l holds group l.
-static inline int sb_position(int group, int c, int l, int b) {
-  return group == 32 ? 32 * (l & 7) + (((l >> 3) + 2 * c) << 2) + b : 16 * l + (c << 2) + b;
-}
-
-// ---- repacking: source rows -> packed rows ------------------------------------------------------
-
-// Writes one superblock's codes u[256] (natural order) into the packed code area.
-static void pack_codes(int bits, int group, const uint8_t* u, uint8_t* q, uint8_t* h) {
-  uint8_t perm[4][64];
-  for (int c = 0; c < 4; c++)
-    for (int l = 0; l < 16; l++)
-      for (int b = 0; b < 4; b++) perm[c][4 * l + b] = u[sb_position(group, c, l, b)];
-  if (bits == 8) {
-    for (int c = 0; c < 4; c++)
-      for (int j = 0; j < 64; j++) q[64 * c + j] = (uint8_t)(perm[c][j] - 128);  // stored signed
-    return;
-  }
-  for (int j = 0; j < 64; j++) {
-    q[j] = (uint8_t)((perm[0][j] & 0xF) | ((perm[1][j] & 0xF) << 4));
-    q[64 + j] = (uint8_t)((perm[2][j] & 0xF) | ((perm[3][j] & 0xF) << 4));
-  }
-  if (bits == 5) {
-    std::memset(h, 0, 32);
-    for (int c = 0; c < 4; c++)
-      for (int j = 0; j < 64; j++)
-        if (perm[c][j] & 0x10) h[(64 * c + j) >> 3] |= (uint8_t)(1 << ((64 * c + j) & 7));
-  } else if (bits == 6) {
-    for (int j = 0; j < 64; j++)
-      h[j] = (uint8_t)(((perm[0][j] >> 4) & 3) | (((perm[1][j] >> 4) & 3) << 2) |
-                       (((perm[2][j] >> 4) & 3) << 4) | (((perm[3][j] >> 4) & 3) << 6));
-  }
-}
-
-static void repack_row(int64_t type, const uint8_t* src, int64_t in_features, uint8_t* dst) {
-  Layout L = layout_of(type);
-  RowShape rs = row_shape(type, in_features);
-  Decoded dec;
-  if (k_type(type)) {
-    for (int64_t s = 0; s < rs.n_sb; s++) {
-      decode_source(type, src + s * L.src_bytes, dec);
-      uint8_t* o = dst + s * L.sb_bytes;
-      if (type == Q6_K) {
-        wr16(o, dec.d);
-        for (int g = 0; g < 16; g++) o[2 + g] = (uint8_t)(int8_t)dec.scale_q[g];
-        pack_codes(6, 16, dec.u, o + 18, o + 146);
-      } else {
-        wr16(o, dec.d);
-        wr16(o + 2, dec.dmin);
-        for (int g = 0; g < 8; g++) {
-          o[4 + g] = (uint8_t)dec.scale_q[g];
-          o[12 + g] = (uint8_t)dec.min_q[g];
-        }
-        pack_codes(L.bits, 32, dec.u, o + 20, o + 148);
-      }
-    }
-    return;
-  }
-  // Blocks of 32: groups of eight blocks as superblocks, then pairs of blocks as tail chunks.
-  int64_t n_blocks = in_features / 32;
-  bool mn = L.has_min;
-  for (int64_t s = 0; s < rs.n_sb; s++) {
-    uint8_t u[256];
-    uint8_t* o = dst + s * L.sb_bytes;
-    for (int k = 0; k < 8; k++) {
-      const uint8_t* b = src + (s * 8 + k) * L.src_bytes;
-      decode_source(type, b, dec);
-      std::memcpy(u + 32 * k, dec.u, 32);
-      std::memcpy(o + 2 * k, b, 2);  // d, as in the source
-      if (mn) std::memcpy(o + 16 + 2 * k, b + 2, 2);  // m
-    }
-    int64_t head = mn ? 32 : 16;
-    pack_codes(L.bits, 32, u, o + head, o + head + (L.bits == 8 ? 256 : 128));
-  }
-  for (int64_t t = 0; t < rs.n_tail; t++) {
-    uint8_t* o = dst + rs.n_sb * L.sb_bytes + t * L.tail_bytes;
-    std::memset(o, 0, L.tail_bytes);
-    uint8_t u[64] = {0};
-    for (int k = 0; k < 2; k++) {
-      int64_t blk = rs.n_sb * 8 + 2 * t + k;
-      if (blk >= n_blocks) break;  // an odd last block: its pair is all zeros
-      const uint8_t* b = src + blk * L.src_bytes;
-      decode_source(type, b, dec);
-      std::memcpy(u + 32 * k, dec.u, 32);
-      std::memcpy(o + 2 * k, b, 2);
-      if (mn) std::memcpy(o + 4 + 2 * k, b + 2, 2);
-    }
-    uint8_t* q = o + (mn ? 8 : 4);
-    if (L.bits == 8) {
-      for (int j = 0; j < 64; j++) q[j] = (uint8_t)(u[j] - 128);
-    } else {
-      for (int j = 0; j < 32; j++) q[j] = (uint8_t)((u[j] & 0xF) | ((u[j + 32] & 0xF) << 4));
-      if (L.bits == 5) {
-        uint8_t* h = q + 32;
-        std::memset(h, 0, 8);
-        for (int j = 0; j < 64; j++)
-          if (u[j] & 0x10) h[j >> 3] |= (uint8_t)(1 << (j & 7));
-      }
-    }
-  }
-}
-
-// ---- packed rows -> codes, scales and biases (scalar) -------------------------------------------
-
-// Superblock s of a packed row: codes (unsigned) in natural order and per-group scales and biases.
-static void unpack_sb(int64_t type, const uint8_t* o, uint8_t* u, float* scale, float* bias) {
-  Layout L = layout_of(type);
-  uint8_t perm[4][64];
-  const uint8_t *q, *h = nullptr;
-  float d[8], m[8];
-  if (type == Q6_K) {
-    float dd = half_to_float(rd16(o));
-    for (int g = 0; g < 16; g++) {
-      scale[g] = dd * (int8_t)o[2 + g];
-      bias[g] = -32.f * scale[g];
-    }
-    q = o + 18;
-    h = o + 146;
-  } else if (k_type(type)) {
-    float dd = half_to_float(rd16(o)), dmin = half_to_float(rd16(o + 2));
-    for (int g = 0; g < 8; g++) {
-      scale[g] = dd * o[4 + g];
-      bias[g] = -dmin * o[12 + g];
-    }
-    q = o + 20;
-    h = o + 148;
-  } else {
-    bool mn = L.has_min;
-    for (int g = 0; g < 8; g++) {
-      d[g] = half_to_float(rd16(o + 2 * g));
-      m[g] = mn ? half_to_float(rd16(o + 16 + 2 * g)) : 0.f;
-    }
-    q = o + (mn ? 32 : 16);
-    h = q + (L.bits == 8 ? 256 : 128);
-    float off = L.bits == 8 ? 128.f : (L.bits == 5 ? 16.f : 8.f);
-    for (int g = 0; g < 8; g++) {
-      scale[g] = d[g];
-      bias[g] = mn ? m[g] : -off * d[g];
-    }
-  }
-  if (L.bits == 8) {
-    for (int c = 0; c < 4; c++)
-      for (int j = 0; j < 64; j++) perm[c][j] = (uint8_t)((int8_t)q[64 * c + j] + 128);
-  } else {
-    for (int j = 0; j < 64; j++) {
-      perm[0][j] = q[j] & 0xF;
-      perm[1][j] = q[j] >> 4;
-      perm[2][j] = q[64 + j] & 0xF;
-      perm[3][j] = q[64 + j] >> 4;
-    }
-    if (L.bits == 5)
-      for (int c = 0; c < 4; c++)
-        for (int j = 0; j < 64; j++) perm[c][j] |= (uint8_t)(((h[(64 * c + j) >> 3] >> ((64 * c + j) & 7)) & 1) << 4);
-    if (L.bits == 6)
-      for (int c = 0; c < 4; c++)
-        for (int j = 0; j < 64; j++) perm[c][j] |= (uint8_t)(((h[j] >> (2 * c)) & 3) << 4);
-  }
-  for (int c = 0; c < 4; c++)
-    for (int l = 0; l < 16; l++)
-      for (int b = 0; b < 4; b++) u[sb_position(L.group, c, l, b)] = perm[c][4 * l + b];
-}
-
-// Tail chunk t: 64 codes in natural order, two groups of 32.
-static void unpack_tail(int64_t type, const uint8_t* o, uint8_t* u, float* scale, float* bias) {
-  Layout L = layout_of(type);
-  bool mn = L.has_min;
-  const uint8_t* q = o + (mn ? 8 : 4);
-  float off = L.bits == 8 ? 128.f : (L.bits == 5 ? 16.f : 8.f);
-  for (int k = 0; k < 2; k++) {
-    scale[k] = half_to_float(rd16(o + 2 * k));
-    bias[k] = mn ? half_to_float(rd16(o + 4 + 2 * k)) : -off * scale[k];
-  }
-  if (L.bits == 8) {
-    for (int j = 0; j < 64; j++) u[j] = (uint8_t)((int8_t)q[j] + 128);
-    return;
-  }
-  for (int j = 0; j < 32; j++) {
-    u[j] = q[j] & 0xF;
-    u[j + 32] = q[j] >> 4;
-  }
-  if (L.bits == 5)
-    for (int j = 0; j < 64; j++) u[j] |= (uint8_t)(((q[32 + (j >> 3)] >> (j & 7)) & 1) << 4);
-}
-
 // ---- activations ----------------------------------------------------------------------------------
 
-// One activation row quantized for a weight type, one int8 scale per 32 values, for every weight
-// type (llama.cpp does so for its 32-blocks and keeps one per 256 for K-quants; one per 256 here
-// lost about half the greedy agreement with the fp32 reference on the default model).
-// Per superblock: 256 int8 values in the packed lane order, then 16 scales and 16 sums indexed by
-// the weight's group (groups of 32: the first 8, the rest zero; Q6_K's groups of 16: group g has
-// the scale of values 32 (g / 2)..); a sum is the group's scale times the sum of its values. Then
-// the tail chunks in natural order, each with two scales and two sums.
-// Buffers are reused from call to call (a decoder stack quantizes hundreds of inputs a step).
+// Rows of activations quantized once per product, for every weight type: int8 codes in natural order,
+// one scale per 32 values, and the code sums the bias terms need. Buffers are reused from call to
+// call (a decoder stack quantizes hundreds of inputs a step).
 struct Activations {
-  int64_t n_sb = 0, n_tail = 0, width = 0, nsums = 0;
-  std::vector<int8_t> q;     // [rows, width = (n_sb * 4 + n_tail) * 64]
-  std::vector<float> scale;  // [rows, nsums = n_sb * 16 + n_tail * 2]
-  std::vector<float> sums;   // [rows, nsums]
+  int64_t rows = 0, K = 0;
+  std::vector<int8_t> q;       // [rows, K]
+  std::vector<float> xs;       // [rows, K / 32] scale of each 32 values
+  std::vector<float> gs;       // [rows, K / 32] xs * (sum of the 32 codes)
+  std::vector<int32_t> s32;    // [rows, K / 32] sum of the 32 codes
+  std::vector<int32_t> s16;    // [rows, K / 16] sum of each 16 codes
 };
 
 // Raw views of an activation batch (no tensor calls in the inner loops).
 struct Act {
   const int8_t* q;
-  const float* scale;
-  const float* sums;
-  int64_t width, nscale, nsums, n_sb, n_tail;
+  const float* xs;
+  const float* gs;
+  const int32_t* s32;
+  const int32_t* s16;
+  int64_t K, nb;  // nb: blocks of 32 per row
 };
 
 static Act view(const Activations& a) {
-  return {a.q.data(), a.scale.data(), a.sums.data(), a.width, a.nsums, a.nsums, a.n_sb, a.n_tail};
+  return {a.q.data(), a.xs.data(), a.gs.data(), a.s32.data(), a.s16.data(), a.K, a.K / 32};
 }
 
-// For each superblock position k (chunk c = k / 64, lane and byte), the natural position it holds.
-struct Permutation {
-  uint8_t of[2][256];  // [0]: groups of 32, [1]: groups of 16
-  Permutation() {
-    for (int g = 0; g < 2; g++)
-      for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 16; l++)
-          for (int b = 0; b < 4; b++) of[g][64 * c + 4 * l + b] = (uint8_t)sb_position(g ? 16 : 32, c, l, b);
-  }
-};
-static const Permutation kPermutation;
-
-// Rows of float activations [rows, in_features] (contiguous), quantized for a weight type.
-static void quantize_activations(const float* xp, int64_t rows, int64_t type, int64_t in_features, Activations& a) {
-  RowShape rs = row_shape(type, in_features);
-  int group = layout_of(type).group;
-  int groups = group == 16 ? 16 : 8;
-  const uint8_t* perm = kPermutation.of[group == 16 ? 1 : 0];
-  int64_t width = (rs.n_sb * 4 + rs.n_tail) * 64;
-  int64_t nsums = rs.n_sb * 16 + rs.n_tail * 2;
-  a.n_sb = rs.n_sb;
-  a.n_tail = rs.n_tail;
-  a.width = width;
-  a.nsums = nsums;
-  a.q.resize(rows * width);
-  a.scale.assign(rows * nsums, 0.f);
-  a.sums.assign(rows * nsums, 0.f);
-  int8_t* qp = a.q.data();
-  float* sp = a.scale.data();
-  float* sump = a.sums.data();
+// Rows of float activations [rows, in] (contiguous), in a multiple of 32; each row is padded with
+// zeros to the panels' row length.
+static void quantize_activations(const float* xp, int64_t rows, int64_t in, Activations& a) {
+  TORCH_CHECK(in % 32 == 0, "in_features must be a multiple of 32");
+  int64_t K = padded_features(in), nb = K / 32;
+  a.rows = rows;
+  a.K = K;
+  a.q.resize(rows * K);
+  a.xs.resize(rows * nb);
+  a.gs.resize(rows * nb);
+  a.s32.resize(rows * nb);
+  a.s16.resize(rows * nb * 2);
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const float* xr = xp + r * in_features;
-      int8_t* qr = qp + r * width;
-      float* sr = sp + r * nsums;
-      float* gr = sump + r * nsums;
-      // n values from v quantized with one scale; returns it.
-      auto quantize32 = [](const float* v, int n, int8_t* out) {
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t b = 0; b < nb; b++) {
+        const float* v = xp + r * in + 32 * b;
+        int8_t* out = a.q.data() + r * K + 32 * b;
         float amax = 0.f;
-        for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(v[i]));
+        if (32 * b >= in) {  // the padding
+          std::memset(out, 0, 32);
+          int64_t k = r * nb + b;
+          a.xs[k] = a.gs[k] = 0.f;
+          a.s32[k] = a.s16[2 * k] = a.s16[2 * k + 1] = 0;
+          continue;
+        }
+        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
         float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int i = 0; i < 32; i++) out[i] = i < n ? (int8_t)std::lrint(v[i] * inv) : (int8_t)0;
-        return amax / 127.f;
-      };
-      for (int64_t s = 0; s < rs.n_sb; s++) {
-        int8_t natural[256];
-        float scale32[8];
-        for (int k = 0; k < 8; k++) scale32[k] = quantize32(xr + 256 * s + 32 * k, 32, natural + 32 * k);
-        int8_t* out = qr + 256 * s;
-        for (int k = 0; k < 256; k++) out[k] = natural[perm[k]];
-        const int per = 256 / groups;
-        for (int g = 0; g < groups; g++) {
-          int sum = 0;
-          for (int i = 0; i < per; i++) sum += natural[g * per + i];
-          float scale = scale32[g * per / 32];
-          sr[s * 16 + g] = scale;
-          gr[s * 16 + g] = scale * (float)sum;
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 32; i++) {
+          out[i] = (int8_t)std::lrint(v[i] * inv);
+          (i < 16 ? lo : hi) += out[i];
         }
+        float scale = amax / 127.f;
+        int64_t k = r * nb + b;
+        a.xs[k] = scale;
+        a.s32[k] = lo + hi;
+        a.gs[k] = scale * (float)(lo + hi);
+        a.s16[2 * k] = lo;
+        a.s16[2 * k + 1] = hi;
       }
-      for (int64_t t = 0; t < rs.n_tail; t++) {
-        int64_t start = 256 * rs.n_sb + 64 * t;
-        int8_t* out = qr + 256 * rs.n_sb + 64 * t;
-        for (int k = 0; k < 2; k++) {
-          int n = (int)std::max<int64_t>(0, std::min<int64_t>(32, in_features - start - 32 * k));
-          float scale = quantize32(xr + start + 32 * k, n, out + 32 * k);
-          int sum = 0;
-          for (int i = 0; i < 32; i++) sum += out[32 * k + i];
-          sr[rs.n_sb * 16 + 2 * t + k] = scale;
-          gr[rs.n_sb * 16 + 2 * t + k] = scale * (float)sum;
-        }
-      }
-    }
   });
-}
-
-// ---- what the layers do to an input before its product: RMSNorm, SwiGLU -----------------------
-
-static int64_t isa_level_for_activations();
-
-static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
-
-#if SG_X86
-// exp(x) for the SwiGLU gate: 2^(x log2 e) as 2^n times a degree-6 polynomial of the remainder
-// (relative error below 2e-7 where the gate's values lie; inputs are clamped to +-87).
-SG_AVX512 static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(87.f)), _mm512_set1_ps(-87.f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // in [-ln2/2, ln2/2]
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-SG_AVX512 static void swiglu_avx512(const float* gate, const float* up, float* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 g = _mm512_loadu_ps(gate + i);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(sg, _mm512_loadu_ps(up + i)));
-  }
-  for (; i < n; i++) out[i] = silu(gate[i]) * up[i];
-}
-#endif
-
-// silu(gate) * up of each row of x [rows, 2 * in] into out [rows, in].
-static void swiglu_rows(const float* x, int64_t rows, int64_t in, float* out) {
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const float* g = x + r * 2 * in;
-#if SG_X86
-      if (isa_level_for_activations() >= 2) {
-        swiglu_avx512(g, g + in, out + r * in, in);
-        continue;
-      }
-#endif
-      for (int64_t i = 0; i < in; i++) out[r * in + i] = silu(g[i]) * g[in + i];
-    }
-  });
-}
-
-// RMSNorm(x) * w of each row of x [rows, in] into out (which may be x).
-static void rms_norm_rows(const float* x, int64_t rows, int64_t in, const float* w, double eps, float* out) {
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const float* v = x + r * in;
-      double ss = 0.0;
-      for (int64_t i = 0; i < in; i++) ss += (double)v[i] * v[i];
-      float inv = (float)(1.0 / std::sqrt(ss / (double)in + eps));
-      for (int64_t i = 0; i < in; i++) out[r * in + i] = v[i] * inv * w[i];
-    }
-  });
-}
-
-// The input rows as the layer feeds them to its product, in float: `x` itself, RMSNorm(x) * w, or
-// (gated) silu(gate) * up of a [rows, 2 * in] input.
-static at::Tensor prepared_input(const at::Tensor& x, int64_t in_features, const c10::optional<at::Tensor>& norm,
-                                 double eps, bool gated) {
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  int64_t rows = x.size(0);
-  if (gated) {
-    TORCH_CHECK(x.size(1) == 2 * in_features, "a gated input must be [rows, 2 * in_features]");
-    at::Tensor out = at::empty({rows, in_features}, at::kFloat);
-    swiglu_rows(xf.data_ptr<float>(), rows, in_features, out.data_ptr<float>());
-    xf = out;
-  } else {
-    TORCH_CHECK(x.size(1) == in_features, "x must be [rows, in_features]");
-  }
-  if (norm.has_value() && norm->defined()) {
-    at::Tensor w = norm->to(at::kFloat).contiguous();
-    TORCH_CHECK(w.numel() == in_features, "the norm weight must have in_features elements");
-    at::Tensor out = at::empty({rows, in_features}, at::kFloat);
-    rms_norm_rows(xf.data_ptr<float>(), rows, in_features, w.data_ptr<float>(), eps, out.data_ptr<float>());
-    xf = out;
-  }
-  return xf;
 }
 
 // ---- the products -----------------------------------------------------------------------------------
 
 struct Matrix {
-  const uint8_t* w;  // packed rows
-  int64_t type, rows, row_bytes, out_offset;
+  const uint8_t* w;  // packed panels
+  int64_t type, rows, panel_bytes, out_offset;
   const float* bias;  // per output row, or null
 };
 
-// One output row o of `m` for activation rows [r0, r1): y[r * ld + out_offset + o].
-using RowKernel = void (*)(const Matrix& m, int64_t o, const Act& a, int64_t r0, int64_t r1, float* y,
-                           int64_t ld);
+constexpr int ROWS = 4;          // activation rows per pass over a panel's codes
+constexpr int64_t ROW_BLOCK = 64;  // rows per sweep over the matrix (their activations stay in cache)
 
-static void row_scalar(const Matrix& m, int64_t o, const Act& a, int64_t r0, int64_t r1, float* y, int64_t ld) {
+// Panel p of `m` for activation rows [r0, r1): y[r * ld + out_offset + 16 p + lane].
+using PanelKernel = void (*)(const Matrix& m, int64_t p, const Act& a, int64_t r0, int64_t r1, float* y,
+                             int64_t ld);
+
+static inline int32_t quad(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return v;
+}
+
+// The portable path: the same sums, one output row at a time.
+static void panel_scalar(const Matrix& m, int64_t p, const Act& a, int64_t r0, int64_t r1, float* y, int64_t ld) {
   Layout L = layout_of(m.type);
-  const uint8_t* row = m.w + o * m.row_bytes;
+  int64_t units = a.K / L.unit, valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
+  const uint8_t* panel = m.w + p * m.panel_bytes;
   uint8_t u[256];
   float scale[16], bias[16];
-  int gsize = L.group, groups = gsize == 16 ? 16 : 8;
-  for (int64_t r = r0; r < r1; r++) {
-    double total = 0.0;
-    for (int64_t s = 0; s < a.n_sb; s++) {
-      unpack_sb(m.type, row + s * L.sb_bytes, u, scale, bias);
-      const int8_t* x = a.q + r * a.width + 256 * s;
-      int32_t dot[16] = {0};
-      for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 16; l++)
-          for (int b = 0; b < 4; b++) {
-            int pos = sb_position(gsize, c, l, b);
-            dot[pos / gsize] += (int32_t)u[pos] * x[64 * c + 4 * l + b];
+  for (int64_t o = 0; o < valid; o++) {
+    for (int64_t r = r0; r < r1; r++) {
+      float acc = 0.f, bacc = 0.f;
+      for (int64_t n = 0; n < units; n++) {
+        unpack_row(m.type, panel + n * L.unit_bytes, (int)o, u, scale, bias);
+        for (int g = 0; g < L.unit / L.group; g++) {
+          int64_t at = n * L.unit + g * L.group, b = at / 32;
+          const int8_t* x = a.q + r * a.K + at;
+          int32_t dot = 0;
+          for (int i = 0; i < L.group; i++) dot += (int32_t)u[g * L.group + i] * x[i];
+          if (L.has_min) {
+            bacc += bias[g] * a.gs[r * a.nb + b];
+          } else {
+            dot -= L.offset * (L.group == 16 ? a.s16[r * 2 * a.nb + at / 16] : a.s32[r * a.nb + b]);
           }
-      float acc = 0.f;
-      for (int g = 0; g < groups; g++)
-        acc += scale[g] * (float)dot[g] * a.scale[r * a.nscale + s * 16 + g] + bias[g] * a.sums[r * a.nsums + s * 16 + g];
-      total += acc;
-    }
-    for (int64_t t = 0; t < a.n_tail; t++) {
-      unpack_tail(m.type, row + a.n_sb * L.sb_bytes + t * L.tail_bytes, u, scale, bias);
-      const int8_t* x = a.q + r * a.width + 256 * a.n_sb + 64 * t;
-      float acc = 0.f;
-      for (int k = 0; k < 2; k++) {
-        int32_t dot = 0;
-        for (int i = 0; i < 32; i++) dot += (int32_t)u[32 * k + i] * x[32 * k + i];
-        acc += scale[k] * (float)dot * a.scale[r * a.nscale + a.n_sb * 16 + 2 * t + k] +
-               bias[k] * a.sums[r * a.nsums + a.n_sb * 16 + 2 * t + k];
+          acc += (float)dot * (scale[g] * a.xs[r * a.nb + b]);
+        }
       }
-      total += acc;
+      y[r * ld + m.out_offset + p * PANEL + o] = acc + bacc + (m.bias ? m.bias[p * PANEL + o] : 0.f);
     }
-    y[r * ld + m.out_offset + o] = (float)total + (m.bias ? m.bias[o] : 0.f);
   }
 }
 
 #if SG_X86
 
+constexpr int64_t PREFETCH = 2048;  // bytes of weights fetched ahead of the block being read
+
 // ---- AVX-512 VNNI ---------------------------------------------------------------------------------
 
-constexpr int64_t PREFETCH = 2048;  // bytes of weights fetched ahead of the superblock being read
-
-// The four 64-byte code chunks of a packed superblock, unsigned.
-SG_AVX512 static inline void codes512(int bits, const uint8_t* q, const uint8_t* h, __m512i* U) {
-  if (bits == 8) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int c = 0; c < 4; c++) U[c] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * c), flip);
+// The 8 code vectors (quads 0..7, 16 rows x 4 codes each, unsigned) of a block of 32, from its codes
+// q and high bits h.
+template <int64_t TYPE>
+SG_AVX512 static inline void codes512(const uint8_t* q, const uint8_t* h, __m512i* C) {
+  constexpr Layout L = layout_of(TYPE);
+  if constexpr (L.bits == 8) {
+    for (int c = 0; c < 8; c++) C[c] = _mm512_loadu_si512(q + 64 * c);
     return;
   }
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64);
-  U[0] = _mm512_and_si512(a, nib);
-  U[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), nib);
-  U[2] = _mm512_and_si512(b, nib);
-  U[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
-  if (bits == 5) {
-    const __m512i bit = _mm512_set1_epi8(0x10);
-    for (int c = 0; c < 4; c++) {
-      uint64_t mask;
-      std::memcpy(&mask, h + 8 * c, 8);
-      U[c] = _mm512_or_si512(U[c], _mm512_maskz_mov_epi8((__mmask64)mask, bit));
+  for (int v = 0; v < 4; v++) {
+    __m512i V = _mm512_loadu_si512(q + 64 * v);
+    C[v] = _mm512_and_si512(V, nib);
+    C[v + 4] = _mm512_and_si512(_mm512_srli_epi16(V, 4), nib);
+  }
+  if constexpr (L.bits == 5) {  // bit c of each byte to bit 4 of quad c's codes: C | (shifted & 0x10)
+    const __m512i m = _mm512_set1_epi8(0x10);
+    __m512i H = _mm512_loadu_si512(h);
+    C[0] = _mm512_ternarylogic_epi32(C[0], _mm512_slli_epi16(H, 4), m, 0xF8);
+    C[1] = _mm512_ternarylogic_epi32(C[1], _mm512_slli_epi16(H, 3), m, 0xF8);
+    C[2] = _mm512_ternarylogic_epi32(C[2], _mm512_slli_epi16(H, 2), m, 0xF8);
+    C[3] = _mm512_ternarylogic_epi32(C[3], _mm512_slli_epi16(H, 1), m, 0xF8);
+    C[4] = _mm512_ternarylogic_epi32(C[4], H, m, 0xF8);
+    C[5] = _mm512_ternarylogic_epi32(C[5], _mm512_srli_epi16(H, 1), m, 0xF8);
+    C[6] = _mm512_ternarylogic_epi32(C[6], _mm512_srli_epi16(H, 2), m, 0xF8);
+    C[7] = _mm512_ternarylogic_epi32(C[7], _mm512_srli_epi16(H, 3), m, 0xF8);
+  } else if constexpr (L.bits == 6) {  // bits 2(c % 4).. of each byte to bits 4..5
+    const __m512i m = _mm512_set1_epi8(0x30);
+    for (int half = 0; half < 2; half++) {
+      __m512i H = _mm512_loadu_si512(h + 64 * half);
+      __m512i* D = C + 4 * half;
+      D[0] = _mm512_ternarylogic_epi32(D[0], _mm512_slli_epi16(H, 4), m, 0xF8);
+      D[1] = _mm512_ternarylogic_epi32(D[1], _mm512_slli_epi16(H, 2), m, 0xF8);
+      D[2] = _mm512_ternarylogic_epi32(D[2], H, m, 0xF8);
+      D[3] = _mm512_ternarylogic_epi32(D[3], _mm512_srli_epi16(H, 2), m, 0xF8);
     }
-  } else if (bits == 6) {
-    const __m512i two = _mm512_set1_epi8(0x30);
-    __m512i hh = _mm512_loadu_si512(h);
-    U[0] = _mm512_or_si512(U[0], _mm512_and_si512(_mm512_slli_epi16(hh, 4), two));
-    U[1] = _mm512_or_si512(U[1], _mm512_and_si512(_mm512_slli_epi16(hh, 2), two));
-    U[2] = _mm512_or_si512(U[2], _mm512_and_si512(hh, two));
-    U[3] = _mm512_or_si512(U[3], _mm512_and_si512(_mm512_srli_epi16(hh, 2), two));
   }
 }
 
-// A superblock's code chunks and scales: for groups of 32, the 8 group scales and biases (ymm; lane g
-// of both halves of a chunk holds group g); for Q6_K's 16 groups, 16 (zmm).
-template <int64_t TYPE>
-SG_AVX512 static inline void superblock512(const uint8_t* o8, __m512& S, __m512& B, __m256& S8, __m256& B8,
-                                           __m512i* U) {
-  constexpr int bits = TYPE == Q8_0 ? 8 : (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : 4;
-  const uint8_t *q, *h;
-  if constexpr (TYPE == Q6_K) {
-    __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(o8)));
-    S = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o8 + 2)))));
-    B = _mm512_mul_ps(_mm512_set1_ps(-32.f), S);
-    q = o8 + 18;
-    h = o8 + 146;
-  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-    // d and dmin, then the 8 sub-scales and 8 mins side by side: one conversion, one multiply.
-    __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)o8));  // d, dmin
-    __m512 f = _mm512_insertf32x8(_mm512_broadcastss_ps(dd), _mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd))), 1);
-    __m512 sm = _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o8 + 4)))));
-    S8 = _mm512_castps512_ps256(sm);
-    B8 = _mm512_extractf32x8_ps(sm, 1);
-    q = o8 + 20;
-    h = o8 + 148;
-  } else {
-    constexpr bool mn = TYPE == Q4_1 || TYPE == Q5_1;
-    constexpr float off = bits == 8 ? -128.f : bits == 5 ? -16.f : -8.f;
-    S8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o8));
-    if constexpr (mn) {
-      B8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o8 + 16)));
-      q = o8 + 32;
-    } else {
-      B8 = _mm256_mul_ps(_mm256_set1_ps(off), S8);
-      q = o8 + 16;
-    }
-    h = q + (bits == 8 ? 256 : 128);
-  }
-  codes512(bits, q, h, U);
+SG_AVX512 static inline __m512i dp(__m512i acc, __m512i codes, const int8_t* x) {
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(quad(x)));
 }
 
-// The superblock's integer dot products with one activation row: 16 int32 lanes.
-SG_AVX512 static inline __m512i dot512(const __m512i* U, const int8_t* x) {
-  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), U[0], _mm512_loadu_si512(x));
-  p = _mm512_dpbusd_epi32(p, U[1], _mm512_loadu_si512(x + 64));
-  p = _mm512_dpbusd_epi32(p, U[2], _mm512_loadu_si512(x + 128));
-  return _mm512_dpbusd_epi32(p, U[3], _mm512_loadu_si512(x + 192));
-}
-
-// Output row o for activation rows [r0, r0 + RT): the superblocks, then the tail chunks.
-template <int64_t TYPE, int RT>
-SG_AVX512 static void rows512(const Matrix& m, int64_t o, const Act& a, int64_t r0, float* y, int64_t ld) {
-  constexpr int64_t sb_bytes = TYPE == Q4_0 ? 144 : TYPE == Q4_1 ? 160 : TYPE == Q5_0 ? 176 : TYPE == Q5_1 ? 192
-                             : TYPE == Q8_0 ? 272 : TYPE == Q4_K ? 148 : TYPE == Q5_K ? 180 : 210;
-  constexpr int bits = TYPE == Q8_0 ? 8 : (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : 4;
-  constexpr bool mn = TYPE == Q4_1 || TYPE == Q5_1;
-  constexpr bool g16 = TYPE == Q6_K;
-  const uint8_t* row = m.w + o * m.row_bytes;
-  const int8_t* qp = a.q + r0 * a.width;
-  const float* sp = a.scale + r0 * a.nscale;
-  const float* gp = a.sums + r0 * a.nsums;
-  __m512 acc[RT];    // Q6_K: 16 groups
-  __m256 acc8[RT];   // groups of 32: 8 groups
-  for (int r = 0; r < RT; r++) {
-    acc[r] = _mm512_setzero_ps();
-    acc8[r] = _mm256_setzero_ps();
-  }
-  for (int64_t s = 0; s < a.n_sb; s++) {
-    __m512 S, B;
-    __m256 S8, B8;
-    __m512i U[4];
-    // Rows of a thread's range lie one after another: fetch ahead across row ends too, so that
-    // memory keeps streaming while the dot products of batched rows compute.
-    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 96), _MM_HINT_T0);
-    if constexpr (sb_bytes > 192) _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 192), _MM_HINT_T0);
-    superblock512<TYPE>(row + s * sb_bytes, S, B, S8, B8, U);
-    for (int r = 0; r < RT; r++) {
-      __m512i p = dot512(U, qp + r * a.width + 256 * s);
-      const float* xs = sp + r * a.nscale + 16 * s;
-      const float* g = gp + r * a.nsums + 16 * s;
-      if constexpr (g16) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(S, _mm512_loadu_ps(xs)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(B, _mm512_loadu_ps(g), acc[r]);
+// Panel p for activation rows r0 .. r0 + R - 1.
+template <int64_t TYPE, int R>
+SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t r0, float* y, int64_t ld) {
+  constexpr Layout L = layout_of(TYPE);
+  constexpr int blocks = (int)(L.unit / 32);
+  constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
+  constexpr int64_t stride = L.unit_bytes / blocks;  // bytes read per block, on average
+  const uint8_t* panel = m.w + p * m.panel_bytes;
+  const int64_t units = a.K / L.unit;
+  __m512 acc[R], bacc[R];
+  for (int r = 0; r < R; r++) acc[r] = bacc[r] = _mm512_setzero_ps();
+  for (int64_t n = 0; n < units; n++) {
+    const uint8_t* un = panel + n * L.unit_bytes;
+    const uint8_t* sc = un + scales_at(L);
+    __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+    if constexpr (kmin || TYPE == Q6_K) dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+    if constexpr (kmin) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32)));
+    for (int j = 0; j < blocks; j++) {
+      // The panel's bytes stream from memory: fetch ahead (across panel ends too, as a thread's
+      // panels lie one after another).
+      for (int64_t f = 0; f < stride; f += 64) _mm_prefetch((const char*)(un + j * stride + f + PREFETCH), _MM_HINT_T0);
+      const int64_t b = n * blocks + j;  // block of 32 in the row
+      __m512i C[8];
+      codes512<TYPE>(un + codes_at(L, j), un + high_at(L, j), C);
+      if constexpr (TYPE == Q6_K) {
+        const __m512 Sa = _mm512_mul_ps(
+            dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 32 + 32 * j)))));
+        const __m512 Sb = _mm512_mul_ps(
+            dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 48 + 32 * j)))));
+        for (int r = 0; r < R; r++) {
+          const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+          const int32_t* s = a.s16 + (r0 + r) * 2 * a.nb + 2 * b;
+          __m512i ia = _mm512_set1_epi32(-s[0] * L.offset), ib = _mm512_set1_epi32(-s[1] * L.offset);
+          ia = dp(dp(dp(dp(ia, C[0], x), C[1], x + 4), C[2], x + 8), C[3], x + 12);
+          ib = dp(dp(dp(dp(ib, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
+          const __m512 xs = _mm512_set1_ps(a.xs[(r0 + r) * a.nb + b]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(Sa, xs), acc[r]);
+          bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(Sb, xs), bacc[r]);
+        }
       } else {
-        // Lanes g and g + 8 hold group g: add the halves, then one 8-wide multiply-add.
-        __m256i p8 = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
-        acc8[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p8), _mm256_mul_ps(S8, _mm256_loadu_ps(xs)), acc8[r]);
-        acc8[r] = _mm256_fmadd_ps(B8, _mm256_loadu_ps(g), acc8[r]);
-      }
-    }
-  }
-  float tail[RT] = {0.f};
-  if constexpr (!(TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K)) {
-    constexpr int64_t tail_bytes = sb_bytes / 4;
-    constexpr float off = bits == 8 ? -128.f : bits == 5 ? -16.f : -8.f;
-    for (int64_t t = 0; t < a.n_tail; t++) {
-      const uint8_t* o8 = row + a.n_sb * sb_bytes + t * tail_bytes;
-      float dA = _cvtsh_ss(rd16(o8)), dB = _cvtsh_ss(rd16(o8 + 2));
-      float bA = mn ? _cvtsh_ss(rd16(o8 + 4)) : off * dA;
-      float bB = mn ? _cvtsh_ss(rd16(o8 + 6)) : off * dB;
-      const uint8_t* q = o8 + (mn ? 8 : 4);
-      __m512i U;
-      if constexpr (bits == 8) {
-        U = _mm512_xor_si512(_mm512_loadu_si512(q), _mm512_set1_epi8((char)0x80));
-      } else {
-        __m256i v = _mm256_loadu_si256((const __m256i*)q);
-        __m256i nib = _mm256_set1_epi8(0x0F);
-        U = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
-                               _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
-        if constexpr (bits == 5) {
-          uint64_t mask;
-          std::memcpy(&mask, q + 32, 8);
-          U = _mm512_or_si512(U, _mm512_maskz_mov_epi8((__mmask64)mask, _mm512_set1_epi8(0x10)));
+        __m512 S, B = _mm512_setzero_ps();
+        if constexpr (kmin) {
+          S = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                    _mm_loadu_si128((const __m128i*)(sc + 64 + 16 * j)))));
+          B = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                    _mm_loadu_si128((const __m128i*)(sc + 192 + 16 * j)))));
+        } else {
+          const uint8_t* block = sc + j * L.scale_bytes / 2;
+          S = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
+          if constexpr (L.has_min) B = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 32)));
+        }
+        for (int r = 0; r < R; r++) {
+          const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+          const int64_t k = (r0 + r) * a.nb + b;
+          __m512i i0 = L.has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(-a.s32[k] * L.offset);
+          i0 = dp(dp(dp(dp(i0, C[0], x), C[1], x + 4), C[2], x + 8), C[3], x + 12);
+          i0 = dp(dp(dp(dp(i0, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
+          const __m512 xs = _mm512_set1_ps(a.xs[k]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(S, xs), acc[r]);
+          if constexpr (kmin) bacc[r] = _mm512_fnmadd_ps(B, _mm512_set1_ps(a.gs[k]), bacc[r]);
+          else if constexpr (L.has_min) bacc[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(a.gs[k]), bacc[r]);
         }
       }
-      for (int r = 0; r < RT; r++) {
-        const int8_t* x = qp + r * a.width + 256 * a.n_sb + 64 * t;
-        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), U, _mm512_loadu_si512(x));
-        const float* xs = sp + r * a.nscale + 16 * a.n_sb + 2 * t;
-        __m512 St = _mm512_insertf32x8(_mm512_set1_ps(dA * xs[0]), _mm256_set1_ps(dB * xs[1]), 1);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), St, acc[r]);
-        const float* g = gp + r * a.nsums + 16 * a.n_sb + 2 * t;
-        tail[r] += bA * g[0] + bB * g[1];
-      }
     }
   }
-  float b = m.bias ? m.bias[o] : 0.f;
-  for (int r = 0; r < RT; r++) {
-    float v = _mm512_reduce_add_ps(acc[r]) + tail[r] + b;
-    if constexpr (!g16) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc8[r]), _mm256_extractf128_ps(acc8[r], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      v += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
-    y[(r0 + r) * ld + m.out_offset + o] = v;
-  }
+  const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
+  const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+  const __m512 bias = m.bias ? _mm512_maskz_loadu_ps(keep, m.bias + p * PANEL) : _mm512_setzero_ps();
+  for (int r = 0; r < R; r++)
+    _mm512_mask_storeu_ps(y + (r0 + r) * ld + m.out_offset + p * PANEL, keep,
+                          _mm512_add_ps(_mm512_add_ps(acc[r], bacc[r]), bias));
 }
 
 template <int64_t TYPE>
-SG_AVX512 static void row_avx512_t(const Matrix& m, int64_t o, const Act& a, int64_t r0, int64_t r1, float* y,
+SG_AVX512 static void panel_avx512(const Matrix& m, int64_t p, const Act& a, int64_t r0, int64_t r1, float* y,
                                    int64_t ld) {
   int64_t r = r0;
-  for (; r + 8 <= r1; r += 8) rows512<TYPE, 8>(m, o, a, r, y, ld);
-  for (; r + 4 <= r1; r += 4) rows512<TYPE, 4>(m, o, a, r, y, ld);
-  for (; r + 2 <= r1; r += 2) rows512<TYPE, 2>(m, o, a, r, y, ld);
-  for (; r < r1; r++) rows512<TYPE, 1>(m, o, a, r, y, ld);
+  for (; r + ROWS <= r1; r += ROWS) panel512<TYPE, ROWS>(m, p, a, r, y, ld);
+  switch (r1 - r) {
+    case 3: panel512<TYPE, 3>(m, p, a, r, y, ld); break;
+    case 2: panel512<TYPE, 2>(m, p, a, r, y, ld); break;
+    case 1: panel512<TYPE, 1>(m, p, a, r, y, ld); break;
+    default: break;
+  }
 }
 
 // ---- AVX2 -----------------------------------------------------------------------------------------
 
-SG_AVX2 static inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Half h (lanes 8h..8h+7) of the four code chunks: 32 bytes each. Q8_0 codes stay signed.
-SG_AVX2 static inline void codes256(int bits, const uint8_t* q, const uint8_t* h, int half, __m256i* U) {
-  if (bits == 8) {
-    for (int c = 0; c < 4; c++) U[c] = _mm256_loadu_si256((const __m256i*)(q + 64 * c + 32 * half));
+// Half h (rows 8h .. 8h + 7) of the 8 code vectors of block j: 32 bytes each. Q8_0's stay unsigned.
+template <int64_t TYPE>
+SG_AVX2 static inline void codes256(const uint8_t* codes, const uint8_t* high, int h, __m256i* C) {
+  constexpr Layout L = layout_of(TYPE);
+  const uint8_t* q = codes + 32 * h;
+  if constexpr (L.bits == 8) {
+    for (int c = 0; c < 8; c++) C[c] = _mm256_loadu_si256((const __m256i*)(q + 64 * c));
     return;
   }
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256i a = _mm256_loadu_si256((const __m256i*)(q + 32 * half));
-  __m256i b = _mm256_loadu_si256((const __m256i*)(q + 64 + 32 * half));
-  U[0] = _mm256_and_si256(a, nib);
-  U[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nib);
-  U[2] = _mm256_and_si256(b, nib);
-  U[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
-  if (bits == 5) {
-    // Bits of the 5th bit plane, one per byte: spread 32 bits over 32 bytes.
-    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    for (int c = 0; c < 4; c++) {
-      uint32_t bitsw;
-      std::memcpy(&bitsw, h + 8 * c + 4 * half, 4);
-      __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bitsw), shuffle);
-      __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
-      U[c] = _mm256_or_si256(U[c], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  for (int v = 0; v < 4; v++) {
+    __m256i V = _mm256_loadu_si256((const __m256i*)(q + 64 * v));
+    C[v] = _mm256_and_si256(V, nib);
+    C[v + 4] = _mm256_and_si256(_mm256_srli_epi16(V, 4), nib);
+  }
+  const uint8_t* hp = high + 32 * h;
+  if constexpr (L.bits == 5) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    __m256i H = _mm256_loadu_si256((const __m256i*)hp);
+    C[0] = _mm256_or_si256(C[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), m));
+    C[1] = _mm256_or_si256(C[1], _mm256_and_si256(_mm256_slli_epi16(H, 3), m));
+    C[2] = _mm256_or_si256(C[2], _mm256_and_si256(_mm256_slli_epi16(H, 2), m));
+    C[3] = _mm256_or_si256(C[3], _mm256_and_si256(_mm256_slli_epi16(H, 1), m));
+    C[4] = _mm256_or_si256(C[4], _mm256_and_si256(H, m));
+    C[5] = _mm256_or_si256(C[5], _mm256_and_si256(_mm256_srli_epi16(H, 1), m));
+    C[6] = _mm256_or_si256(C[6], _mm256_and_si256(_mm256_srli_epi16(H, 2), m));
+    C[7] = _mm256_or_si256(C[7], _mm256_and_si256(_mm256_srli_epi16(H, 3), m));
+  } else if constexpr (L.bits == 6) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    for (int half = 0; half < 2; half++) {
+      __m256i H = _mm256_loadu_si256((const __m256i*)(hp + 64 * half));
+      __m256i* D = C + 4 * half;
+      D[0] = _mm256_or_si256(D[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), m));
+      D[1] = _mm256_or_si256(D[1], _mm256_and_si256(_mm256_slli_epi16(H, 2), m));
+      D[2] = _mm256_or_si256(D[2], _mm256_and_si256(H, m));
+      D[3] = _mm256_or_si256(D[3], _mm256_and_si256(_mm256_srli_epi16(H, 2), m));
     }
-  } else if (bits == 6) {
-    const __m256i two = _mm256_set1_epi8(0x30);
-    __m256i hh = _mm256_loadu_si256((const __m256i*)(h + 32 * half));
-    U[0] = _mm256_or_si256(U[0], _mm256_and_si256(_mm256_slli_epi16(hh, 4), two));
-    U[1] = _mm256_or_si256(U[1], _mm256_and_si256(_mm256_slli_epi16(hh, 2), two));
-    U[2] = _mm256_or_si256(U[2], _mm256_and_si256(hh, two));
-    U[3] = _mm256_or_si256(U[3], _mm256_and_si256(_mm256_srli_epi16(hh, 2), two));
   }
 }
 
-// Sum over the four chunks of u * x in int32 lanes; Q8_0 (signed codes) by the sign trick.
-SG_AVX2 static inline __m256i dot4_256(int bits, const __m256i* U, const int8_t* x, int half) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (bits == 8) {
+// Pairwise products of codes and 4 activation values broadcast, in int16 (u * x pairs).
+SG_AVX2 static inline __m256i mul16(__m256i codes, const int8_t* x) {
+  return _mm256_maddubs_epi16(codes, _mm256_set1_epi32(quad(x)));
+}
+
+SG_AVX2 static inline __m256i widen(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
+
+// sum(u * x) over quads [c0, c0 + n) in int32 lanes, int16 partial sums as long as they cannot
+// overflow (|u * x| pairs: 4-bit 3810, 5-bit 7874, 6-bit 16002; Q8_0 by the sign trick, one at a time).
+template <int BITS>
+SG_AVX2 static inline __m256i dot256(const __m256i* C, const int8_t* x, int c0, int n) {
+  if constexpr (BITS == 8) {
     __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 64 * c + 32 * half));
-      __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(U[c], xv));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int c = c0; c < c0 + n; c++) {
+      __m256i xv = _mm256_set1_epi32(quad(x + 4 * c));
+      __m256i s = _mm256_xor_si256(C[c], flip);  // signed codes: u - 128
+      acc = _mm256_add_epi32(acc, widen(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(s, xv))));
+    }
+    return acc;
+  } else {
+    constexpr int run = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = c0; c < c0 + n; c += run) {
+      __m256i s = mul16(C[c], x + 4 * c);
+      for (int i = 1; i < run && c + i < c0 + n; i++) s = _mm256_add_epi16(s, mul16(C[c + i], x + 4 * (c + i)));
+      acc = _mm256_add_epi32(acc, widen(s));
     }
     return acc;
   }
-  __m256i p[4];
-  for (int c = 0; c < 4; c++)
-    p[c] = _mm256_maddubs_epi16(U[c], _mm256_loadu_si256((const __m256i*)(x + 64 * c + 32 * half)));
-  if (bits <= 5) {  // |u * x| <= 31 * 127 * 2 per int16: four of them still fit
-    __m256i s = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-    return _mm256_madd_epi16(s, ones);
-  }
-  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                          _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
 }
 
-template <int64_t TYPE>
-SG_AVX2 static inline void superblock256(const uint8_t* o8, __m256& S0, __m256& S1, __m256& B0, __m256& B1,
-                                         const uint8_t*& q, const uint8_t*& h) {
-  constexpr int bits = TYPE == Q8_0 ? 8 : (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : 4;
-  if constexpr (TYPE == Q6_K) {
-    __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(o8)));
-    __m128i sc = _mm_loadu_si128((const __m128i*)(o8 + 2));
-    S0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-    S1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-    B0 = _mm256_mul_ps(_mm256_set1_ps(-32.f), S0);
-    B1 = _mm256_mul_ps(_mm256_set1_ps(-32.f), S1);
-    q = o8 + 18;
-    h = o8 + 146;
-    return;
-  } else {
-    __m256 scales, bias;
-    if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-      __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(o8)));
-      __m256 dmin = _mm256_set1_ps(-_cvtsh_ss(rd16(o8 + 2)));
-      scales = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o8 + 4)))));
-      bias = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o8 + 12)))));
-      q = o8 + 20;
-      h = o8 + 148;
-    } else {
-      constexpr bool mn = TYPE == Q4_1 || TYPE == Q5_1;
-      constexpr float off = bits == 8 ? 0.f : bits == 5 ? -16.f : -8.f;  // Q8_0: signed codes here
-      scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o8));
-      if constexpr (mn) {
-        bias = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o8 + 16)));
-        q = o8 + 32;
-      } else {
-        bias = _mm256_mul_ps(_mm256_set1_ps(off), scales);
-        q = o8 + 16;
-      }
-      h = q + (bits == 8 ? 256 : 128);
-    }
-    S0 = S1 = scales;  // lane g of either half holds group g
-    B0 = bias;
-    B1 = _mm256_setzero_ps();
-  }
+// Half h of 16 sub-scales (one byte per row) as floats.
+SG_AVX2 static inline __m256 sub_scales256(const uint8_t* at, int h, bool is_signed) {
+  __m128i v = _mm_loadl_epi64((const __m128i*)(at + 8 * h));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
 
-template <int64_t TYPE, int RT>
-SG_AVX2 static void rows256(const Matrix& m, int64_t o, const Act& a, int64_t r0, float* y, int64_t ld) {
-  constexpr int64_t sb_bytes = TYPE == Q4_0 ? 144 : TYPE == Q4_1 ? 160 : TYPE == Q5_0 ? 176 : TYPE == Q5_1 ? 192
-                             : TYPE == Q8_0 ? 272 : TYPE == Q4_K ? 148 : TYPE == Q5_K ? 180 : 210;
-  constexpr int bits = TYPE == Q8_0 ? 8 : (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) ? 5 : TYPE == Q6_K ? 6 : 4;
-  constexpr bool mn = TYPE == Q4_1 || TYPE == Q5_1;
-  const uint8_t* row = m.w + o * m.row_bytes;
-  const int8_t* qp = a.q + r0 * a.width;
-  const float* sp = a.scale + r0 * a.nscale;
-  const float* gp = a.sums + r0 * a.nsums;
-  __m256 acc[RT];
-  for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < a.n_sb; s++) {
-    __m256 S0, S1, B0, B1;
-    const uint8_t *q, *h;
-    // As in rows512 (worth 12-18% here at one row, with the weights streaming from memory).
-    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 96), _MM_HINT_T0);
-    if constexpr (sb_bytes > 192) _mm_prefetch((const char*)(row + s * sb_bytes + PREFETCH + 192), _MM_HINT_T0);
-    superblock256<TYPE>(row + s * sb_bytes, S0, S1, B0, B1, q, h);
-    if constexpr (TYPE == Q6_K) {
-      for (int half = 0; half < 2; half++) {
-        __m256i U[4];
-        codes256(bits, q, h, half, U);
-        __m256 S = half ? S1 : S0;
-        for (int r = 0; r < RT; r++) {
-          __m256i p = dot4_256(bits, U, qp + r * a.width + 256 * s, half);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(S, _mm256_loadu_ps(sp + r * a.nscale + 16 * s + 8 * half)), acc[r]);
-        }
-      }
-    } else {  // both halves hold the same groups: add their sums, then one multiply-add
-      __m256i U[4], V[4];
-      codes256(bits, q, h, 0, U);
-      codes256(bits, q, h, 1, V);
-      for (int r = 0; r < RT; r++) {
-        const int8_t* x = qp + r * a.width + 256 * s;
-        __m256i p = _mm256_add_epi32(dot4_256(bits, U, x, 0), dot4_256(bits, V, x, 1));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(S0, _mm256_loadu_ps(sp + r * a.nscale + 16 * s)), acc[r]);
-      }
-    }
-    for (int r = 0; r < RT; r++) {
-      const float* g = gp + r * a.nsums + 16 * s;
-      acc[r] = _mm256_fmadd_ps(B0, _mm256_loadu_ps(g), acc[r]);
-      if constexpr (TYPE == Q6_K) acc[r] = _mm256_fmadd_ps(B1, _mm256_loadu_ps(g + 8), acc[r]);
-    }
-  }
-  float tail[RT] = {0.f};
-  if constexpr (!(TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K)) {
-    constexpr int64_t tail_bytes = sb_bytes / 4;
-    constexpr float off = bits == 8 ? 0.f : bits == 5 ? -16.f : -8.f;
-    for (int64_t t = 0; t < a.n_tail; t++) {
-      const uint8_t* o8 = row + a.n_sb * sb_bytes + t * tail_bytes;
-      float dA = _cvtsh_ss(rd16(o8)), dB = _cvtsh_ss(rd16(o8 + 2));
-      float bA = mn ? _cvtsh_ss(rd16(o8 + 4)) : off * dA;
-      float bB = mn ? _cvtsh_ss(rd16(o8 + 6)) : off * dB;
-      const uint8_t* q = o8 + (mn ? 8 : 4);
-      __m256i U0, U1;
-      if constexpr (bits == 8) {
-        U0 = _mm256_loadu_si256((const __m256i*)q);
-        U1 = _mm256_loadu_si256((const __m256i*)(q + 32));
-      } else {
-        __m256i v = _mm256_loadu_si256((const __m256i*)q), nib = _mm256_set1_epi8(0x0F);
-        U0 = _mm256_and_si256(v, nib);
-        U1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        if constexpr (bits == 5) {
-          const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-          const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-          for (int k = 0; k < 2; k++) {
-            uint32_t bitsw;
-            std::memcpy(&bitsw, q + 32 + 4 * k, 4);
-            __m256i v2 = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bitsw), shuffle);
-            __m256i set = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v2, select), select),
-                                           _mm256_set1_epi8(0x10));
-            if (k == 0) U0 = _mm256_or_si256(U0, set);
-            else U1 = _mm256_or_si256(U1, set);
+template <int64_t TYPE, int R>
+SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r0, float* y, int64_t ld) {
+  constexpr Layout L = layout_of(TYPE);
+  constexpr int blocks = (int)(L.unit / 32);
+  constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
+  // Q8_0's products are signed here (u - 128): no offset to take off.
+  constexpr bool offset = !L.has_min && L.bits != 8;
+  const uint8_t* panel = m.w + p * m.panel_bytes;
+  const int64_t units = a.K / L.unit;
+  const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
+  for (int h = 0; h < 2 && 8 * h < valid; h++) {
+    __m256 acc[R], bacc[R];
+    for (int r = 0; r < R; r++) acc[r] = bacc[r] = _mm256_setzero_ps();
+    for (int64_t n = 0; n < units; n++) {
+      const uint8_t* un = panel + n * L.unit_bytes;
+      const uint8_t* sc = un + scales_at(L);
+      __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
+      if constexpr (kmin || TYPE == Q6_K) dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
+      if constexpr (kmin) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h)));
+      for (int j = 0; j < blocks; j++) {
+        const int64_t b = n * blocks + j;
+        __m256i C[8];
+        codes256<TYPE>(un + codes_at(L, j), un + high_at(L, j), h, C);
+        if constexpr (TYPE == Q6_K) {
+          const __m256 Sa = _mm256_mul_ps(dv, sub_scales256(sc + 32 + 32 * j, h, true));
+          const __m256 Sb = _mm256_mul_ps(dv, sub_scales256(sc + 48 + 32 * j, h, true));
+          for (int r = 0; r < R; r++) {
+            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+            const int32_t* s = a.s16 + (r0 + r) * 2 * a.nb + 2 * b;
+            __m256i ia = _mm256_add_epi32(_mm256_set1_epi32(-s[0] * L.offset), dot256<6>(C, x, 0, 4));
+            __m256i ib = _mm256_add_epi32(_mm256_set1_epi32(-s[1] * L.offset), dot256<6>(C, x, 4, 4));
+            const __m256 xs = _mm256_set1_ps(a.xs[(r0 + r) * a.nb + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(Sa, xs), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(Sb, xs), acc[r]);
+          }
+        } else {
+          __m256 S, B = _mm256_setzero_ps();
+          if constexpr (kmin) {
+            S = _mm256_mul_ps(dv, sub_scales256(sc + 64 + 16 * j, h, false));
+            B = _mm256_mul_ps(mv, sub_scales256(sc + 192 + 16 * j, h, false));
+          } else {
+            const uint8_t* block = sc + j * L.scale_bytes / 2;
+            S = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * h)));
+            if constexpr (L.has_min) B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 32 + 16 * h)));
+          }
+          for (int r = 0; r < R; r++) {
+            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+            const int64_t k = (r0 + r) * a.nb + b;
+            __m256i dot = dot256<L.bits>(C, x, 0, 8);
+            if constexpr (offset) dot = _mm256_add_epi32(_mm256_set1_epi32(-a.s32[k] * L.offset), dot);
+            const __m256 xs = _mm256_set1_ps(a.xs[k]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(S, xs), acc[r]);
+            if constexpr (kmin) bacc[r] = _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), bacc[r]);
+            else if constexpr (L.has_min) bacc[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), bacc[r]);
           }
         }
       }
-      const __m256i ones = _mm256_set1_epi16(1);
-      for (int r = 0; r < RT; r++) {
-        const int8_t* x = qp + r * a.width + 256 * a.n_sb + 64 * t;
-        __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
-        __m256i p0, p1;
-        if constexpr (bits == 8) {
-          p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(U0, x0)), ones);
-          p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(U1, x1)), ones);
-        } else {
-          p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(U0, x0), ones);
-          p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(U1, x1), ones);
-        }
-        const float* xs = sp + r * a.nscale + 16 * a.n_sb + 2 * t;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dA * xs[0]), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dB * xs[1]), acc[r]);
-        const float* g = gp + r * a.nsums + 16 * a.n_sb + 2 * t;
-        tail[r] += bA * g[0] + bB * g[1];
-      }
+    }
+    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
+    const int64_t first = p * PANEL + 8 * h;
+    for (int r = 0; r < R; r++) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_add_ps(acc[r], bacc[r]));
+      float* dst = y + (r0 + r) * ld + m.out_offset + first;
+      for (int64_t i = 0; i < lanes; i++) dst[i] = out[i] + (m.bias ? m.bias[first + i] : 0.f);
     }
   }
-  float b = m.bias ? m.bias[o] : 0.f;
-  for (int r = 0; r < RT; r++) y[(r0 + r) * ld + m.out_offset + o] = hsum256(acc[r]) + tail[r] + b;
 }
 
 template <int64_t TYPE>
-SG_AVX2 static void row_avx2_t(const Matrix& m, int64_t o, const Act& a, int64_t r0, int64_t r1, float* y,
+SG_AVX2 static void panel_avx2(const Matrix& m, int64_t p, const Act& a, int64_t r0, int64_t r1, float* y,
                                int64_t ld) {
   int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) rows256<TYPE, 4>(m, o, a, r, y, ld);
-  for (; r + 2 <= r1; r += 2) rows256<TYPE, 2>(m, o, a, r, y, ld);
-  for (; r < r1; r++) rows256<TYPE, 1>(m, o, a, r, y, ld);
+  for (; r + ROWS <= r1; r += ROWS) panel256<TYPE, ROWS>(m, p, a, r, y, ld);
+  switch (r1 - r) {
+    case 3: panel256<TYPE, 3>(m, p, a, r, y, ld); break;
+    case 2: panel256<TYPE, 2>(m, p, a, r, y, ld); break;
+    case 1: panel256<TYPE, 1>(m, p, a, r, y, ld); break;
+    default: break;
+  }
 }
 
 #endif  // SG_X86
 
-// ---- dispatch and the ops ---------------------------------------------------------------------------
-
-// 0: scalar, 1: AVX2, 2: AVX-512 VNNI. SPECGATE_KERNEL_ISA (scalar, avx2, avx512) may lower it.
-static int64_t detect_isa() {
-  int64_t best = 0;
-#if SG_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vnni"))
-    best = 2;
-#endif
-  const char* want = std::getenv("SPECGATE_KERNEL_ISA");
-  if (want != nullptr) {
-    int64_t asked = std::strcmp(want, "scalar") == 0 ? 0 : std::strcmp(want, "avx2") == 0 ? 1 : 2;
-    best = std::min(best, asked);
-  }
-  return best;
-}
-
-static int64_t g_isa = -1;
-
-static int64_t isa() {
-  if (g_isa < 0) g_isa = detect_isa();
-  return g_isa;
-}
+// ---- dispatch ---------------------------------------------------------------------------------------
 
 template <int64_t TYPE>
-static RowKernel kernel_of(int64_t level) {
+static PanelKernel kernel_of(int64_t level) {
 #if SG_X86
-  if (level >= 2) return row_avx512_t<TYPE>;
-  if (level >= 1) return row_avx2_t<TYPE>;
+  if (level >= 2) return panel_avx512<TYPE>;
+  if (level >= 1) return panel_avx2<TYPE>;
 #endif
-  return row_scalar;
+  return panel_scalar;
 }
 
-
-
-static RowKernel kernel_for(int64_t level, int64_t type) {
+static PanelKernel kernel_for(int64_t level, int64_t type) {
   switch (type) {
     case Q4_0: return kernel_of<Q4_0>(level);
     case Q4_1: return kernel_of<Q4_1>(level);
@@ -1120,17 +485,6 @@ static RowKernel kernel_for(int64_t level, int64_t type) {
     default: TORCH_CHECK(false, "unsupported GGUF type ", type);
   }
 }
-
-static int64_t isa_level() { return isa(); }
-
-static int64_t isa_level_for_activations() { return isa(); }
-
-static int64_t set_isa_level(int64_t level) {
-  int64_t best = detect_isa();
-  g_isa = std::max<int64_t>(0, std::min(level, best));
-  return g_isa;
-}
-
 
 // ---- a projection: matrices with one input, outputs side by side ---------------------------------
 
@@ -1146,13 +500,14 @@ static Projection make_projection(at::TensorList weights, at::IntArrayRef types,
                                   int64_t in_features, at::TensorList biases) {
   TORCH_CHECK(weights.size() == types.size() && types.size() == outs.size() && biases.size() == outs.size(),
               "one type, output size and bias per matrix");
+  TORCH_CHECK(!weights.empty() && weights.size() <= 8, "one to 8 matrices per projection");
   Projection p;
   p.in_features = in_features;
   for (size_t i = 0; i < weights.size(); i++) {
     const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == outs[i],
-                "bad packed matrix ", i);
-    TORCH_CHECK(w.size(1) == row_shape(types[i], in_features).bytes, "packed row bytes do not match ", i);
+    TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels_of(outs[i]),
+                "bad packed matrix ", i, ": uint8 [ceil(out / 16), panel bytes] expected");
+    TORCH_CHECK(w.size(1) == panel_bytes(types[i], in_features), "packed panel bytes do not match ", i);
     const float* b = nullptr;
     if (biases[i].numel() > 0) {
       TORCH_CHECK(biases[i].dtype() == at::kFloat && biases[i].numel() == outs[i] && biases[i].is_contiguous(),
@@ -1169,40 +524,34 @@ static Projection make_projection(at::TensorList weights, at::IntArrayRef types,
 
 // Activation buffers of one caller, reused from product to product.
 struct Scratch {
-  Activations a32, a16;
+  Activations act;
 };
 
 // y [rows, p.total] = x [rows, p.in_features] (float, prepared) times the projection's transpose.
 static void project(const Projection& p, const float* x, int64_t rows, float* y, Scratch& scratch) {
   if (rows == 0 || p.total == 0) return;
-  // One activation layout per group size the matrices use.
-  bool need32 = false, need16 = false;
-  int64_t t32 = -1;
-  for (auto& m : p.mats) {
-    bool g16 = layout_of(m.type).group == 16;
-    (g16 ? need16 : need32) = true;
-    if (!g16 && t32 < 0) t32 = m.type;
-  }
-  if (need32) quantize_activations(x, rows, t32, p.in_features, scratch.a32);
-  if (need16) quantize_activations(x, rows, Q6_K, p.in_features, scratch.a16);
-  RowKernel kernels[8];
-  Act acts[8];
+  quantize_activations(x, rows, p.in_features, scratch.act);
+  const Act a = view(scratch.act);
   int64_t n = (int64_t)p.mats.size();
-  TORCH_CHECK(n <= 8, "at most 8 matrices per projection");
+  PanelKernel kernels[8];
+  int64_t first[9];  // first panel of each matrix in the projection's panel order
+  first[0] = 0;
   for (int64_t i = 0; i < n; i++) {
     kernels[i] = kernel_for(isa(), p.mats[i].type);
-    acts[i] = view(layout_of(p.mats[i].type).group == 16 ? scratch.a16 : scratch.a32);
+    first[i + 1] = first[i] + panels_of(p.mats[i].rows);
   }
-  int64_t total = p.total;
-  // Work in units of output rows across all matrices; each unit computes every activation row.
-  int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, total / (4 * at::get_num_threads() + 1)));
-  at::parallel_for(0, total, grain, [&](int64_t o0, int64_t o1) {
-    for (int64_t i = 0; i < n; i++) {
-      const Matrix& m = p.mats[i];
-      int64_t start = std::max(o0, m.out_offset), end = std::min(o1, m.out_offset + m.rows);
-      for (int64_t o = start; o < end; o++) kernels[i](m, o - m.out_offset, acts[i], 0, rows, y, total);
-    }
-  });
+  int64_t panels = first[n], total = p.total;
+  int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, panels / (4 * at::get_num_threads() + 1)));
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+    int64_t r1 = std::min(rows, r0 + ROW_BLOCK);
+    at::parallel_for(0, panels, grain, [&](int64_t q0, int64_t q1) {
+      int64_t i = 0;
+      for (int64_t q = q0; q < q1; q++) {
+        while (q >= first[i + 1]) i++;
+        kernels[i](p.mats[i], q - first[i], a, r0, r1, y, total);
+      }
+    });
+  }
 }
 
 }  // namespace sg

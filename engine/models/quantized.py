@@ -2,7 +2,8 @@
 native kernels (engine/kernels), at the file's own bytes per weight.
 
 A `QuantizedMatrix` is one weight matrix as the kernels take it: its rows repacked once at load
-(`repack`: the same blocks, laid out for the kernels' dot products), the ggml type and the shape.
+(`repack`: the same fields, in panels of 16 rows laid out for the kernels' dot products), the ggml
+type and the shape.
 `GGUFLinear` runs one or more matrices that read the same input (a layer's q / k / v, or its gate
 and up projections) in one kernel call, outputs side by side, whatever their types; `GGUFEmbedding`
 dequantizes the rows of the tokens it is asked for. Both map [..., in] to [..., out] in the dtype
@@ -24,15 +25,16 @@ NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 1
 
 @dataclass(slots=True)
 class QuantizedMatrix:
-    packed: torch.Tensor  # uint8 [rows, packed bytes per row]
+    packed: torch.Tensor  # uint8 [ceil(rows / 16), packed bytes per panel of 16 rows]
     type_id: int
     rows: int  # out_features
     cols: int  # in_features
     source_type: str  # the type the file stored (Q8_0 for a type the kernels convert to it)
 
     def __post_init__(self) -> None:
-        if self.packed.dtype != torch.uint8 or self.packed.dim() != 2 or self.packed.shape[0] != self.rows:
-            raise ValueError("packed must be uint8 [rows, bytes]")
+        panels = -(-self.rows // 16)
+        if self.packed.dtype != torch.uint8 or self.packed.dim() != 2 or self.packed.shape[0] != panels:
+            raise ValueError("packed must be uint8 [ceil(rows / 16), bytes]")
         if self.type_id not in NATIVE_TYPES.values():
             raise ValueError(f"ggml type {self.type_id} is not read natively")
 
@@ -114,7 +116,7 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows: torch.Tensor = self._ops.dequantize_rows(
-            self.matrix.packed, self.matrix.type_id, self.matrix.cols, ids.reshape(-1)
+            self.matrix.packed, self.matrix.type_id, self.matrix.cols, self.matrix.rows, ids.reshape(-1)
         )
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
 

@@ -60,8 +60,8 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 def test_repacked_blocks_dequantize_to_the_files_values(qtype: T) -> None:
     for cols in K_COLS if qtype in K_TYPES else BLOCK_COLS:
         w, reference = packed(qtype, 23, cols)
-        assert w.shape == (23, ops().packed_row_bytes(int(qtype.value), cols))
-        rows = ops().dequantize_rows(w, int(qtype.value), cols, torch.arange(23)).double().numpy()
+        assert w.shape == (2, ops().packed_panel_bytes(int(qtype.value), cols))  # panels of 16 rows
+        rows = ops().dequantize_rows(w, int(qtype.value), cols, 23, torch.arange(23)).double().numpy()
         np.testing.assert_array_equal(rows, reference.astype(np.float32).astype(np.float64))
 
 
@@ -86,14 +86,14 @@ def test_products_are_the_weights_times_the_quantized_activations(qtype: T, leve
 def test_a_rows_result_does_not_depend_on_its_batch(levels: list[int]) -> None:
     w, _ = packed(T.Q4_K, 50, 512)
     w6, _ = packed(T.Q6_K, 30, 512)
-    x = torch.randn(17, 512)
+    x = torch.randn(70, 512)  # past one sweep of the rows (64)
     for level in levels:
         ops().set_isa_level(level)
         alone = [
             ops().qmatmul(x[r : r + 1], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
-            for r in range(17)
+            for r in range(70)
         ]
-        for n in (2, 3, 4, 5, 8, 9, 16, 17):
+        for n in (2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 70):
             batch = ops().qmatmul(x[:n], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
             for r in range(n):
                 assert torch.equal(batch[r], alone[r][0]), (level, n, r)
@@ -145,14 +145,14 @@ def test_bfloat16_in_bfloat16_out() -> None:
 def test_misuse_is_refused_with_a_message() -> None:
     w, _ = packed(T.Q4_K, 8, 256)
     e = [torch.empty(0)]
-    with pytest.raises(RuntimeError, match="row bytes do not match"):
+    with pytest.raises(RuntimeError, match="packed panel bytes do not match"):
         ops().qmatmul(torch.randn(1, 512), [w], [12], [8], 512, e)
     with pytest.raises(RuntimeError, match="unsupported GGUF type"):
         ops().repack(torch.zeros(1, 84, dtype=torch.uint8), 10, 256)  # Q2_K: converted to Q8_0 first
     with pytest.raises(RuntimeError, match="multiple of 256"):
         ops().repack(torch.zeros(1, 144, dtype=torch.uint8), 12, 288)
     with pytest.raises(RuntimeError, match="row id out of range"):
-        ops().dequantize_rows(w, 12, 256, torch.tensor([8]))
+        ops().dequantize_rows(w, 12, 256, 8, torch.tensor([8]))
     with pytest.raises(RuntimeError, match="one type, output size and bias per matrix"):
         ops().qmatmul(torch.randn(1, 256), [w], [12, 12], [8], 256, e)
 

@@ -1,0 +1,102 @@
+// What a decoder layer does to a product's input before the product (RMSNorm, SwiGLU), on the
+// vector unit the kernels use; exp512 serves attention's softmax too.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "cpu_features.h"
+
+namespace sg {
+
+// ---- what the layers do to an input before its product: RMSNorm, SwiGLU -----------------------
+
+static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+#if SG_X86
+// exp(x) for the SwiGLU gate: 2^(x log2 e) as 2^n times a degree-6 polynomial of the remainder
+// (relative error below 2e-7 where the gate's values lie; inputs are clamped to +-87).
+SG_AVX512 static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(87.f)), _mm512_set1_ps(-87.f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // in [-ln2/2, ln2/2]
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+SG_AVX512 static void swiglu_avx512(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 g = _mm512_loadu_ps(gate + i);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(sg, _mm512_loadu_ps(up + i)));
+  }
+  for (; i < n; i++) out[i] = silu(gate[i]) * up[i];
+}
+#endif
+
+// silu(gate) * up of each row of x [rows, 2 * in] into out [rows, in].
+static void swiglu_rows(const float* x, int64_t rows, int64_t in, float* out) {
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* g = x + r * 2 * in;
+#if SG_X86
+      if (isa() >= 2) {
+        swiglu_avx512(g, g + in, out + r * in, in);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < in; i++) out[r * in + i] = silu(g[i]) * g[in + i];
+    }
+  });
+}
+
+// RMSNorm(x) * w of each row of x [rows, in] into out (which may be x).
+static void rms_norm_rows(const float* x, int64_t rows, int64_t in, const float* w, double eps, float* out) {
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* v = x + r * in;
+      double ss = 0.0;
+      for (int64_t i = 0; i < in; i++) ss += (double)v[i] * v[i];
+      float inv = (float)(1.0 / std::sqrt(ss / (double)in + eps));
+      for (int64_t i = 0; i < in; i++) out[r * in + i] = v[i] * inv * w[i];
+    }
+  });
+}
+
+// The input rows as the layer feeds them to its product, in float: `x` itself, RMSNorm(x) * w, or
+// (gated) silu(gate) * up of a [rows, 2 * in] input.
+static at::Tensor prepared_input(const at::Tensor& x, int64_t in_features, const c10::optional<at::Tensor>& norm,
+                                 double eps, bool gated) {
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  int64_t rows = x.size(0);
+  if (gated) {
+    TORCH_CHECK(x.size(1) == 2 * in_features, "a gated input must be [rows, 2 * in_features]");
+    at::Tensor out = at::empty({rows, in_features}, at::kFloat);
+    swiglu_rows(xf.data_ptr<float>(), rows, in_features, out.data_ptr<float>());
+    xf = out;
+  } else {
+    TORCH_CHECK(x.size(1) == in_features, "x must be [rows, in_features]");
+  }
+  if (norm.has_value() && norm->defined()) {
+    at::Tensor w = norm->to(at::kFloat).contiguous();
+    TORCH_CHECK(w.numel() == in_features, "the norm weight must have in_features elements");
+    at::Tensor out = at::empty({rows, in_features}, at::kFloat);
+    rms_norm_rows(xf.data_ptr<float>(), rows, in_features, w.data_ptr<float>(), eps, out.data_ptr<float>());
+    xf = out;
+  }
+  return xf;
+}
+
+}  // namespace sg
