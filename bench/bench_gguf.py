@@ -2,6 +2,7 @@
 
     python bench/bench_gguf.py decode --model qwen2.5-coder-1.5b [--tokens 64] [--reps 4]
     python bench/bench_gguf.py spec --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python bench/bench_gguf.py steps --model qwen2.5-coder-1.5b [--context 300]
 
 `decode`: batch 1, greedy, one prompt; specgate's engine and llama-cpp-python's `Llama.generate`
 on the same file in one process, the same thread count, repetitions interleaved; the mean time per
@@ -12,6 +13,11 @@ token of each repetition and the ratio llama.cpp / specgate (above 1: specgate i
 tree); tokens/s after the first token, the ratio to plain, the mean accepted length, and whether
 each arm's tokens equal plain's. The prefix cache is on, so arms after the first skip the target's
 prefill (not timed anyway).
+
+`steps`: what a forward pass of the engine costs by its number of new tokens, after a --context
+token prompt: one sequence verifying k tokens (a speculative step), and b sequences decoding one
+token each (a batch), repetitions interleaved; the median ms and its ratio to one token. This is
+the cost the goodput controller learns online and trades drafted tokens against.
 
 --model / --draft: a GGUF path or a name from bench/models.py (default: the embedded model).
 """
@@ -158,6 +164,60 @@ def spec(args: argparse.Namespace) -> int:
     return 0 if all(same.values()) else 1
 
 
+STEP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def steps(args: argparse.Namespace) -> int:
+    from specgate.engine.batch_layout import ForwardItem
+    from specgate.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(
+        EngineConfig(model=gguf_path(args.model), prefix_caching=False, kv_cache_bytes=2 << 30)
+    )
+    bs = runner.config.block_size
+    sizes = [n for n in STEP_SIZES if n <= args.max_size]
+    ctx = args.context
+    ids = torch.randint(100, 20000, (ctx + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
+    per_seq = -(-(ctx + max(sizes)) // bs)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(sizes))]
+    if len(tables) * per_seq > runner.kv_cache.num_blocks:
+        raise SystemExit("the KV cache is too small for this many sequences: lower --max-size or --context")
+    for table in tables:  # every sequence holds the same context
+        for start in range(0, ctx, 256):
+            chunk = ids[start : min(ctx, start + 256)]
+            runner.execute([ForwardItem(chunk, start, table, 1)])
+
+    def verify(k: int) -> float:
+        t = time.perf_counter()
+        runner.execute([ForwardItem(ids[ctx : ctx + k], ctx, tables[0], k)])
+        return time.perf_counter() - t
+
+    def batch(b: int) -> float:
+        t = time.perf_counter()
+        runner.execute([ForwardItem([ids[ctx]], ctx, tables[i], 1) for i in range(b)])
+        return time.perf_counter() - t
+
+    kinds = {"verify k": verify, "batch b": batch}
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for rep in range(args.reps + 1):
+        for n in sizes:
+            for name, fn in kinds.items():
+                dt = fn(n)
+                if rep:  # the first round warms up
+                    times[(name, n)].append(dt)
+    name = os.path.basename(gguf_path(args.model))
+    print(f"{name}: forward pass after a {ctx}-token context, {torch.get_num_threads()} threads, median ms")
+    print("| new tokens | " + " | ".join(f"{k}: ms (x one token)" for k in kinds) + " |")
+    print("|---" * (len(kinds) + 1) + "|")
+    for n in sizes:
+        cells = []
+        for k in kinds:
+            t, one = statistics.median(times[(k, n)]), statistics.median(times[(k, 1)])
+            cells.append(f"{t * 1000:.1f} ({t / one:.2f}x)")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -171,8 +231,13 @@ def main() -> int:
     s.add_argument("--categories", default=SPEC_CATEGORIES)
     s.add_argument("--per-category", type=int, default=1)
     s.add_argument("--tokens", type=int, default=96)
+    t = sub.add_parser("steps", help="forward cost by new tokens: verification and batches")
+    t.add_argument("--model", default=None)
+    t.add_argument("--context", type=int, default=300)
+    t.add_argument("--max-size", type=int, default=64)
+    t.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    return decode(args) if args.command == "decode" else spec(args)
+    return {"decode": decode, "spec": spec, "steps": steps}[args.command](args)
 
 
 if __name__ == "__main__":

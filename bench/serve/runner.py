@@ -19,10 +19,15 @@ from specgate.bench.serve.peer_server import PEER
 POLICY, PLAIN = "policy", "plain"
 
 
-def arm_body(arm: str) -> dict[str, Any] | None:
-    if arm in (POLICY, PEER):  # the peer is not specgate: it knows no `spec`
+def arm_body(arm: str, cache_salt: str | None = None) -> dict[str, Any] | None:
+    """specgate's extension fields for an arm; `cache_salt` gives the arm a prefix cache of its own, so
+    that an arm measured after another does not find the same prompts already cached."""
+    if arm == PEER:  # the peer is not specgate: it knows no `spec` and no `cache_salt`
         return None
-    return {"spec": {"method": "off" if arm == PLAIN else arm}}
+    body: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
+    if arm != POLICY:
+        body["spec"] = {"method": "off" if arm == PLAIN else arm}
+    return body or None
 
 
 async def send(
@@ -33,10 +38,11 @@ async def send(
     request_id: str,
     temperature: float,
     extra: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> RequestResult:
     """One streamed request; `extra` adds body fields (ignore_eos, or the peer's logit_bias)."""
     res = RequestResult(request_id, req.category, arm, sent_at=time.perf_counter())
-    body = {**(arm_body(arm) or {}), **(extra or {})}
+    body = {**(arm_body(arm, cache_salt) or {}), **(extra or {})}
     finish: str | None = None
     usage = False
     kwargs: dict[str, Any] = {}
@@ -153,7 +159,9 @@ async def measure(
 
             def make(i: int, arm: str = arm, label: str = label) -> Any:
                 rid = f"{plan.run_id}-{arm}-{label}-{i}".replace("/", "_").replace("=", "")
-                return send(client, model, plan.reqs[i], arm, rid, plan.temperature, extra)
+                # Each (arm, load point) starts with a cold prefix cache, as the peer does.
+                salt = f"{plan.run_id}-{arm}-{label}"
+                return send(client, model, plan.reqs[i], arm, rid, plan.temperature, extra, salt)
 
             t0 = time.perf_counter()
             if isinstance(point, int):

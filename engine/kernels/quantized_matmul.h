@@ -119,7 +119,9 @@ struct Matrix {
   const float* bias;  // per output row, or null
 };
 
-constexpr int ROWS = 4;          // activation rows per pass over a panel's codes
+// Activation rows per pass over a panel's codes: their accumulators and the 8 code vectors stay in
+// registers (32 on AVX-512, 16 on AVX2).
+constexpr int ROWS = 8, ROWS256 = 4;
 constexpr int64_t ROW_BLOCK = 64;  // rows per sweep over the matrix (their activations stay in cache)
 
 // Panel p of `m` for activation rows [r0, r1): y[r * ld + out_offset + 16 p + lane].
@@ -220,8 +222,8 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
   constexpr int64_t stride = L.unit_bytes / blocks;  // bytes read per block, on average
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
-  __m512 acc[R], bacc[R];
-  for (int r = 0; r < R; r++) acc[r] = bacc[r] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t n = 0; n < units; n++) {
     const uint8_t* un = panel + n * L.unit_bytes;
     const uint8_t* sc = un + scales_at(L);
@@ -248,7 +250,7 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
           ib = dp(dp(dp(dp(ib, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
           const __m512 xs = _mm512_set1_ps(a.xs[(r0 + r) * a.nb + b]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(Sa, xs), acc[r]);
-          bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(Sb, xs), bacc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(Sb, xs), acc[r]);
         }
       } else {
         __m512 S, B = _mm512_setzero_ps();
@@ -270,8 +272,8 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
           i0 = dp(dp(dp(dp(i0, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
           const __m512 xs = _mm512_set1_ps(a.xs[k]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(S, xs), acc[r]);
-          if constexpr (kmin) bacc[r] = _mm512_fnmadd_ps(B, _mm512_set1_ps(a.gs[k]), bacc[r]);
-          else if constexpr (L.has_min) bacc[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(a.gs[k]), bacc[r]);
+          if constexpr (kmin) acc[r] = _mm512_fnmadd_ps(B, _mm512_set1_ps(a.gs[k]), acc[r]);
+          else if constexpr (L.has_min) acc[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(a.gs[k]), acc[r]);
         }
       }
     }
@@ -281,7 +283,7 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
   const __m512 bias = m.bias ? _mm512_maskz_loadu_ps(keep, m.bias + p * PANEL) : _mm512_setzero_ps();
   for (int r = 0; r < R; r++)
     _mm512_mask_storeu_ps(y + (r0 + r) * ld + m.out_offset + p * PANEL, keep,
-                          _mm512_add_ps(_mm512_add_ps(acc[r], bacc[r]), bias));
+                          _mm512_add_ps(acc[r], bias));
 }
 
 template <int64_t TYPE>
@@ -289,6 +291,10 @@ SG_AVX512 static void panel_avx512(const Matrix& m, int64_t p, const Act& a, int
                                    int64_t ld) {
   int64_t r = r0;
   for (; r + ROWS <= r1; r += ROWS) panel512<TYPE, ROWS>(m, p, a, r, y, ld);
+  if (r + 4 <= r1) {
+    panel512<TYPE, 4>(m, p, a, r, y, ld);
+    r += 4;
+  }
   switch (r1 - r) {
     case 3: panel512<TYPE, 3>(m, p, a, r, y, ld); break;
     case 2: panel512<TYPE, 2>(m, p, a, r, y, ld); break;
@@ -388,8 +394,8 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
   const int64_t units = a.K / L.unit;
   const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
   for (int h = 0; h < 2 && 8 * h < valid; h++) {
-    __m256 acc[R], bacc[R];
-    for (int r = 0; r < R; r++) acc[r] = bacc[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t n = 0; n < units; n++) {
       const uint8_t* un = panel + n * L.unit_bytes;
       const uint8_t* sc = un + scales_at(L);
@@ -429,8 +435,8 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
             if constexpr (offset) dot = _mm256_add_epi32(_mm256_set1_epi32(-a.s32[k] * L.offset), dot);
             const __m256 xs = _mm256_set1_ps(a.xs[k]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(S, xs), acc[r]);
-            if constexpr (kmin) bacc[r] = _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), bacc[r]);
-            else if constexpr (L.has_min) bacc[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), bacc[r]);
+            if constexpr (kmin) acc[r] = _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
+            else if constexpr (L.has_min) acc[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
           }
         }
       }
@@ -439,7 +445,7 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
     const int64_t first = p * PANEL + 8 * h;
     for (int r = 0; r < R; r++) {
       alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_add_ps(acc[r], bacc[r]));
+      _mm256_store_ps(out, acc[r]);
       float* dst = y + (r0 + r) * ld + m.out_offset + first;
       for (int64_t i = 0; i < lanes; i++) dst[i] = out[i] + (m.bias ? m.bias[first + i] : 0.f);
     }
@@ -450,7 +456,7 @@ template <int64_t TYPE>
 SG_AVX2 static void panel_avx2(const Matrix& m, int64_t p, const Act& a, int64_t r0, int64_t r1, float* y,
                                int64_t ld) {
   int64_t r = r0;
-  for (; r + ROWS <= r1; r += ROWS) panel256<TYPE, ROWS>(m, p, a, r, y, ld);
+  for (; r + ROWS256 <= r1; r += ROWS256) panel256<TYPE, ROWS256>(m, p, a, r, y, ld);
   switch (r1 - r) {
     case 3: panel256<TYPE, 3>(m, p, a, r, y, ld); break;
     case 2: panel256<TYPE, 2>(m, p, a, r, y, ld); break;

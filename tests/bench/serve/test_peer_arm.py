@@ -16,7 +16,7 @@ from specgate.bench.serve.datasets import BenchRequest
 from specgate.bench.serve.options import add_arguments
 from specgate.bench.serve.peer_arm import peer_request, settings
 from specgate.bench.serve.peer_server import PEER
-from specgate.bench.serve.runner import PLAIN, send
+from specgate.bench.serve.runner import PLAIN, POLICY, send
 from tests.bench.serve.test_peer_server import write_gguf
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -96,3 +96,16 @@ def test_settings_from_the_command_line(tmp_path: Path) -> None:
     args = p.parse_args(["--model", str(gguf), "--peer", "llama-cpp", "--no-ignore-eos", "--threads", "1"])
     peer = settings(args)
     assert "logit_bias" not in peer["body"] and peer["threads"] == 1
+
+
+def test_each_specgate_arm_gets_a_prefix_cache_of_its_own_and_the_peer_none() -> None:
+    """An arm measured after another must not find the same prompts cached (the peer starts cold)."""
+    client = FakeClient([chunk("a", "stop")])
+    req = BenchRequest("qa", [{"role": "user", "content": "hi"}], 5)
+    for arm, body in (
+        (POLICY, {"cache_salt": "run-policy-c1"}),
+        (PLAIN, {"cache_salt": "run-plain-c1", "spec": {"method": "off"}}),
+        (PEER, None),
+    ):
+        asyncio.run(send(client, "m", req, arm, "r", 0.0, None, f"run-{arm}-c1"))  # type: ignore[arg-type]
+        assert client.kwargs["extra_body"] == body, arm
