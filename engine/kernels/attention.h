@@ -3,8 +3,9 @@
 //
 // The torch path spends most of a small model's attention time in dispatch: a rotation is four
 // tensor ops, the pool stores two more, and SDPA on a [1, heads, 1..17, context] problem costs tens
-// of microseconds before it reads a key. Here each (query, head) pair is one task that reads its
-// keys and values straight from the pool by slot, with no gathered copy.
+// of microseconds before it reads a key. Here each (query, kv head) pair is one task that reads its
+// keys and values straight from the pool by slot, with no gathered copy, for all the query heads
+// of its group; on AVX-512 sixteen keys' dot products run side by side (keys in lanes).
 //
 // A query's result depends only on its own visible keys, read in slot-list order: never on the
 // other rows of the step, so batching and speculation change no token.
@@ -184,6 +185,110 @@ SG_AVX512 static float exp_sum_avx512(float* x, int64_t n, float m) {
   return s;
 }
 
+// Scores of up to 16 keys against one query, the keys in lanes: out[j] = (q . key j) * sc for the
+// keys at offs[0..n). Each key's dot product is the one dot_avx512 computes, bit for bit (its chain
+// of fused multiply-adds over the 16-wide chunks of d, then _mm512_reduce_add_ps's tree: halves,
+// quarters, pairs), but sixteen keys' chains run side by side and one transposition reduces them
+// all, instead of one latency-bound chain and a horizontal sum per key.
+template <int C, bool BF>
+SG_AVX512 static inline void scores16_avx512(const float* q, const void* kbase, const int64_t* offs, int64_t n,
+                                             float sc, float* out) {
+  __m512 acc[16];
+  for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+  int64_t off[16];
+  for (int k = 0; k < 16; k++) off[k] = offs[k < n ? k : 0];  // a short block repeats its first key
+  for (int c = 0; c < C; c++) {
+    __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(qc, load16(kbase, off[k] + 16 * c, BF), acc[k]);
+  }
+  __m512 h[8], r4[4], r2[2];
+  for (int m = 0; m < 8; m++)  // lanes 0-7: key 2m's lane l + lane l+8; lanes 8-15: key 2m+1's
+    h[m] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int m = 0; m < 4; m++)  // 128-bit lane j: key 4m+j's quarter 1 + quarter 0
+    r4[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                          _mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int m = 0; m < 2; m++)  // lane j: {key 8m+j: e0+e2, e1+e3; key 8m+4+j: e0+e2, e1+e3}
+    r2[m] = _mm512_add_ps(_mm512_shuffle_ps(r4[2 * m], r4[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(r4[2 * m], r4[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane j: keys j, 4+j, 8+j, 12+j; put key k in lane k.
+  __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(r2[0], r2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(r2[0], r2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  sum = _mm512_mul_ps(_mm512_permutexvar_ps(order, sum), _mm512_set1_ps(sc));
+  _mm512_mask_storeu_ps(out, (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1), sum);
+}
+
+// tile [n, 16 C] float32 = the bfloat16 pool rows at offs[0..n).
+template <int C>
+SG_AVX512 static inline void widen_avx512(const void* base, const int64_t* offs, int64_t n, float* tile) {
+  for (int64_t r = 0; r < n; r++)
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(tile + r * 16 * C + 16 * c, load16(base, offs[r] + 16 * c, true));
+}
+
+// All the query heads that share kv head `head` for one query row: q and o [G, d] (contiguous),
+// score [G, m]. Keys and values are read from the pool a tile at a time, widened to float32 once
+// for the G heads rather than once per head; every head's arithmetic is attend_head's order. false
+// where d has no specialization here (the caller's generic loops take it).
+template <int C, bool BF>
+SG_AVX512 static void group_avx512(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
+                                   float* score, float* tile, float* o) {
+  constexpr int64_t D = 16 * C, TILE = 32;
+  int64_t local[TILE];
+  for (int64_t r = 0; r < TILE; r++) local[r] = r * D;
+  for (int64_t j0 = 0; j0 < m; j0 += TILE) {
+    int64_t n = std::min(TILE, m - j0);
+    if (BF) widen_avx512<C>(p.k, offs + j0, n, tile);
+    const void* kb = BF ? (const void*)tile : p.k;
+    const int64_t* ko = BF ? local : offs + j0;
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t b = 0; b < n; b += 16)
+        scores16_avx512<C, false>(q + g * D, kb, ko + b, std::min<int64_t>(16, n - b), sc, score + g * m + j0 + b);
+  }
+  std::vector<float> total(G);
+  for (int64_t g = 0; g < G; g++) {
+    float* sg = score + g * m;
+    __m512 tops = _mm512_set1_ps(-INFINITY);  // a maximum is the same in any order
+    int64_t j = 0;
+    for (; j + 16 <= m; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(sg + j));
+    float top = _mm512_reduce_max_ps(tops);
+    for (; j < m; j++) top = std::max(top, sg[j]);
+    total[g] = exp_sum_avx512(sg, m, top);
+  }
+  for (int64_t j0 = 0; j0 < m; j0 += TILE) {
+    int64_t n = std::min(TILE, m - j0);
+    if (BF) widen_avx512<C>(p.v, offs + j0, n, tile);
+    for (int64_t g = 0; g < G; g++) {
+      float* og = o + g * D;
+      const float* w = score + g * m + j0;
+      __m512 acc[C];
+      for (int c = 0; c < C; c++) acc[c] = _mm512_loadu_ps(og + 16 * c);
+      for (int64_t r = 0; r < n; r++) {
+        __m512 wv = _mm512_set1_ps(w[r]);
+        const float* row = BF ? tile + r * D : (const float*)p.v + offs[j0 + r];
+        for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < C; c++) _mm512_storeu_ps(og + 16 * c, acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float inv = 1.f / total[g];
+    for (int64_t k = 0; k < D; k++) o[g * D + k] *= inv;
+  }
+}
+
+template <bool BF>
+SG_AVX512 static bool group_avx512_any(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m,
+                                       float sc, float* score, float* tile, float* o) {
+  switch (p.d) {
+    case 32: group_avx512<2, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
+    case 64: group_avx512<4, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
+    case 128: group_avx512<8, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
+    case 256: group_avx512<16, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
+    default: return false;
+  }
+}
+
 SG_AVX2 static inline __m256 load8(const void* base, int64_t off, bool bf16) {
   if (bf16) {
     __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + off));
@@ -218,59 +323,73 @@ struct AttendCall {
   const bool* mask;
 };
 
-// out [b * t, heads, d] for q [N, heads, d] (float32).
-static void attend_core(const float* qp, int64_t heads, const Pool& p, const AttendCall& c, float sc, float* op) {
-  int64_t d = p.d, rows = c.b * c.t, group = heads / p.kv_heads, S = c.S;
-  int64_t level = isa();
+// One (query, head) over its m visible keys, any head_dim: score [m] scratch, o [d] zeros on entry.
+static void attend_head(const float* qv, const Pool& p, const int64_t* offs, int64_t m, float sc, float* score,
+                        float* o) {
+  int64_t d = p.d, level = isa();
   bool v512 = SG_X86 && level >= 2 && d % 16 == 0, v256 = SG_X86 && level >= 1 && d % 8 == 0;
   (void)v512;
   (void)v256;
-  at::parallel_for(0, rows * heads, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> score(S);
+  float top = -INFINITY, total;
+#if SG_X86
+  if (v512) {
+    for (int64_t j = 0; j < m; j++) score[j] = dot_avx512(qv, p, offs[j], d) * sc;
+  } else if (v256) {
+    for (int64_t j = 0; j < m; j++) score[j] = dot_avx2(qv, p, offs[j], d) * sc;
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < m; j++) score[j] = dot_scalar(qv, p, offs[j], d) * sc;
+  }
+  for (int64_t j = 0; j < m; j++) top = std::max(top, score[j]);
+#if SG_X86
+  if (v512) {
+    total = exp_sum_avx512(score, m, top);
+  } else
+#endif
+  {
+    total = 0.f;
+    for (int64_t j = 0; j < m; j++) total += (score[j] = std::exp(score[j] - top));
+  }
+#if SG_X86
+  if (v512) {
+    for (int64_t j = 0; j < m; j++) axpy_avx512(o, score[j], p, offs[j], d);
+  } else if (v256) {
+    for (int64_t j = 0; j < m; j++) axpy_avx2(o, score[j], p, offs[j], d);
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < m; j++) axpy_scalar(o, score[j], p, offs[j], d);
+  }
+  float inv = 1.f / total;
+  for (int64_t k = 0; k < d; k++) o[k] *= inv;
+}
+
+// out [b * t, heads, d] for q [N, heads, d] (float32). One task per (query row, kv head): the
+// query heads of a GQA group read their keys and values together.
+static void attend_core(const float* qp, int64_t heads, const Pool& p, const AttendCall& c, float sc, float* op) {
+  int64_t d = p.d, rows = c.b * c.t, group = heads / p.kv_heads, S = c.S;
+  bool v512 = SG_X86 && isa() >= 2;
+  (void)v512;
+  at::parallel_for(0, rows * p.kv_heads, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> score(group * S), tile(32 * d);
     std::vector<int64_t> offs(S);
     for (int64_t u = u0; u < u1; u++) {
-      int64_t i = u / heads, h = u % heads, bi = i / c.t, head = h / group;
-      const float* qv = qp + ((c.qi ? c.qi[i] : c.start + i) * heads + h) * d;
+      int64_t i = u / p.kv_heads, head = u % p.kv_heads, bi = i / c.t, h0 = head * group;
+      const float* qv = qp + ((c.qi ? c.qi[i] : c.start + i) * heads + h0) * d;
       const bool* visible = c.mask ? c.mask + i * S : nullptr;
       int64_t m = 0;
       for (int64_t s = 0; s < S; s++)
         if (!visible || visible[s]) offs[m++] = p.at(head, c.kv[bi * S + s]);
-      float* o = op + u * d;
-      std::fill(o, o + d, 0.f);
+      float* o = op + (i * heads + h0) * d;
+      std::fill(o, o + group * d, 0.f);
       if (m == 0) continue;  // a padded query with no keys: zeros, as it is discarded
-      float top = -INFINITY, total;
 #if SG_X86
-      if (v512) {
-        for (int64_t j = 0; j < m; j++) score[j] = dot_avx512(qv, p, offs[j], d) * sc;
-      } else if (v256) {
-        for (int64_t j = 0; j < m; j++) score[j] = dot_avx2(qv, p, offs[j], d) * sc;
-      } else
+      if (v512 && (p.bf16 ? group_avx512_any<true>(qv, group, p, offs.data(), m, sc, score.data(), tile.data(), o)
+                          : group_avx512_any<false>(qv, group, p, offs.data(), m, sc, score.data(), tile.data(), o)))
+        continue;
 #endif
-      {
-        for (int64_t j = 0; j < m; j++) score[j] = dot_scalar(qv, p, offs[j], d) * sc;
-      }
-      for (int64_t j = 0; j < m; j++) top = std::max(top, score[j]);
-#if SG_X86
-      if (v512) {
-        total = exp_sum_avx512(score.data(), m, top);
-      } else
-#endif
-      {
-        total = 0.f;
-        for (int64_t j = 0; j < m; j++) total += (score[j] = std::exp(score[j] - top));
-      }
-#if SG_X86
-      if (v512) {
-        for (int64_t j = 0; j < m; j++) axpy_avx512(o, score[j], p, offs[j], d);
-      } else if (v256) {
-        for (int64_t j = 0; j < m; j++) axpy_avx2(o, score[j], p, offs[j], d);
-      } else
-#endif
-      {
-        for (int64_t j = 0; j < m; j++) axpy_scalar(o, score[j], p, offs[j], d);
-      }
-      float inv = 1.f / total;
-      for (int64_t k = 0; k < d; k++) o[k] *= inv;
+      for (int64_t g = 0; g < group; g++) attend_head(qv + g * d, p, offs.data(), m, sc, score.data(), o + g * d);
     }
   });
 }

@@ -53,7 +53,7 @@ def reference(
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv", "d"), [(9, 3, 64), (4, 4, 32), (6, 2, 24)])
+@pytest.mark.parametrize(("heads", "kv", "d"), [(9, 3, 64), (4, 4, 32), (6, 2, 24), (12, 2, 128)])
 def test_attention_is_sdpa_over_the_visible_keys(
     levels: list[int], pool_dtype: torch.dtype, heads: int, kv: int, d: int
 ) -> None:
