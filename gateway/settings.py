@@ -73,7 +73,7 @@ class EmbeddedSettings(BaseModel):
     # request's `cache_salt` partitions its scope further, never reaching beyond it.
     prefix_cache_scope: Literal["tenant", "address", "global", "off"] = "tenant"
     # Batch-invariant kernels: a temperature-0 answer does not depend on the batch it ran in, the
-    # speculation method or K, or a prefix-cache hit (engine/batch_invariant.py; README has its cost).
+    # speculation method or K, or a prefix-cache hit (engine/batch_invariant.py; docs/engine.md has its cost).
     deterministic: bool = False
     # Token counts of the decode / verify steps compiled with torch.compile at start-up (CPU, compact
     # decoder; ~45 s each on two cores, every start). `specgate serve --compile` sets (1, 2, 4, 8, 16).
