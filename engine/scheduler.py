@@ -10,7 +10,7 @@ Batch slots are shared fairly between tenants (`Sequence.tenant`): a waiting req
 from the tenant holding the fewest running slots (arrival order within a tenant), and when every
 slot is taken while a tenant with fewer slots waits, the newest sequences of the tenant holding
 the most are preempted until the two differ by at most one (at most `MAX_FAIR_PREEMPTIONS` a
-step). One tenant alone still gets every slot; a second one's request no longer waits for the
+step). One tenant alone still gets every slot; a second one's request does not wait for the
 first one's long requests to end.
 """
 

@@ -13,7 +13,7 @@ attaches it by name (`handle.attach()`, once per process) and gets `SharedTables
 
 The tables themselves (hashing, probing, eviction) are shared_table.py. Every read and write holds
 one process-shared lock, a POSIX semaphore: no system call unless another process holds it.
-Single-process gateways use none of this: limits.RateLimiter and friends, in memory, as before.
+Single-process gateways use none of this: limits.RateLimiter and friends, in memory.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""The routing policy: workload classification and the learned route decision (issue [P1])."""
+"""The routing policy: workload classification and the learned route decision."""

@@ -3,7 +3,7 @@ for origins reached through a proxy, and bounded decoding either way.
 
 Measured on this project's stub upstream (2 cores, 100 requests in flight), the client's own CPU
 per proxied request: httpx2 ~1,100 us, aiohttp ~140 us, the lean connection of `http1.py` ~40 us.
-The client was the largest single cost of the gateway's hot path, so direct origins (the common
+The client is the largest single cost of the gateway's hot path, so direct origins (the common
 case: vLLM, SGLang, llama.cpp next to the gateway) use `http1.py`; an origin that HTTP(S)_PROXY
 sends through a proxy (decided once per origin, honouring NO_PROXY) uses aiohttp, which speaks
 proxies. Failures are the gateway's own (`upstream_errors.py`): `PoolTimeout` (our pool stayed

@@ -1,5 +1,4 @@
-"""The console lines of `specgate serve`: where it listens at once, and when it is ready (with the
-models /v1/models lists, where it answers without a key).
+"""The console lines of `specgate serve`: where it listens at once, and when it is ready.
 
 Loading a model takes from seconds (the default) to minutes (a first build of the kernels, a large
 file); until /readyz answers 200 a client gets 503s, so the operator is told when that changes.
@@ -7,7 +6,6 @@ file); until /readyz answers 200 a client gets 503s, so the operator is told whe
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -38,16 +36,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _models(url: str) -> list[str]:
-    """The ids /v1/models lists; none where it needs a key (the console has none) or fails."""
-    try:
-        with _OPENER.open(url, timeout=5) as r:
-            data = json.loads(r.read())["data"]
-        return [str(m["id"]) for m in data]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
-        return []
-
-
 def announce(
     host: str,
     port: int,
@@ -59,16 +47,13 @@ def announce(
     polling it every POLL_S until then or until `stopping()`)."""
     shown = f"[{host}]" if ":" in host else host
     write(f"specgate: listening on http://{shown}:{port} ({what}); loading...\n")
-    base = f"http://{_probe_host(host)}:{port}"
-    url = f"{base}/readyz"
+    url = f"http://{_probe_host(host)}:{port}/readyz"
     start = time.monotonic()
 
     def watch() -> None:
         while not stopping():
             if _ready(url):
-                models = _models(f"{base}/v1/models")
-                serving = f", serving {', '.join(models)}" if models else ""
-                write(f"specgate: ready after {time.monotonic() - start:.1f} s{serving}\n")
+                write(f"specgate: ready after {time.monotonic() - start:.1f} s\n")
                 return
             time.sleep(POLL_S)
 

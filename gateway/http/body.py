@@ -3,7 +3,7 @@
 The body's size is already bounded by the middleware and the key already checked by the route's
 dependencies when this runs. What JSON allows but a request never may is refused here: NaN and
 Infinity literals, nesting deeper than `MAX_DEPTH`, strings holding lone UTF-16 surrogates (they
-cannot be encoded again: one such model name used to break /metrics and the telemetry writer).
+cannot be encoded again: one such model name would break /metrics and the telemetry writer).
 """
 
 from __future__ import annotations

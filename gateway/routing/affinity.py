@@ -13,7 +13,7 @@ members in the list are reordered for the request:
   requests in flight, with this one, stay within `load_factor` times the group's mean (or within
   `spill_after`, so that light load never moves a conversation). Taking a
   replica out (down or removed) moves only the conversations it held.
-- The rest of the group follows in ring order (healthy first): failover works as before.
+- The rest of the group follows in ring order (healthy first): a failing replica hands over to the next.
 - A request without a key goes to the least loaded healthy replica.
 
 `Affinity.arrange` returns the new order and an `AffinityChoice`; the route carries it, the record

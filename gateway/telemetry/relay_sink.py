@@ -4,8 +4,8 @@
 and appends the bytes to a bounded `Inbox` (inbox.py); it never blocks and never raises. A thread
 takes up to `batch_size` pickled records at a time, frames them and sends the batch, then waits for
 the server's acknowledgement; only then is the batch gone from here. The thread runs no per-record
-Python: pickling a flush's worth of records there (a few ms at a thousand requests a second) held
-the GIL while the event loop waited for it, which was the gateway's sequential p99. A broken
+Python: pickling a flush's worth of records there (a few ms at a thousand requests a second) would
+hold the GIL while the event loop waits, and set the gateway's sequential p99. A broken
 connection is opened again with backoff (up to `max_backoff` seconds) and the unacknowledged batch
 sent again; meanwhile records wait in the inbox, and once it holds `max_backlog` the new ones are
 dropped and counted (`counters.dropped`, on /metrics as specgate_telemetry_rows_dropped: it must
