@@ -226,14 +226,17 @@ SG_AVX512 static inline void widen_avx512(const void* base, const int64_t* offs,
     for (int c = 0; c < C; c++) _mm512_storeu_ps(tile + r * 16 * C + 16 * c, load16(base, offs[r] + 16 * c, true));
 }
 
-// All the query heads that share kv head `head` for one query row: q and o [G, d] (contiguous),
-// score [G, m]. Keys and values are read from the pool a tile at a time, widened to float32 once
-// for the G heads rather than once per head; every head's arithmetic is attend_head's order. false
-// where d has no specialization here (the caller's generic loops take it).
+// Keys (and values) a grouped task widens to float32 at a time: its scratch tile is [TILE, d].
+constexpr int64_t TILE = 32;
+
+// All the query heads that share one kv head for one query row: q and o [G, d] (contiguous),
+// score [G, m], total [G] scratch, tile [TILE, d] scratch. Keys and values are read from the pool a
+// tile at a time, widened to float32 once for the G heads rather than once per head; every head's
+// arithmetic is attend_head's order.
 template <int C, bool BF>
 SG_AVX512 static void group_avx512(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
-                                   float* score, float* tile, float* o) {
-  constexpr int64_t D = 16 * C, TILE = 32;
+                                   float* score, float* total, float* tile, float* o) {
+  constexpr int64_t D = 16 * C;
   int64_t local[TILE];
   for (int64_t r = 0; r < TILE; r++) local[r] = r * D;
   for (int64_t j0 = 0; j0 < m; j0 += TILE) {
@@ -245,7 +248,6 @@ SG_AVX512 static void group_avx512(const float* q, int64_t G, const Pool& p, con
       for (int64_t b = 0; b < n; b += 16)
         scores16_avx512<C, false>(q + g * D, kb, ko + b, std::min<int64_t>(16, n - b), sc, score + g * m + j0 + b);
   }
-  std::vector<float> total(G);
   for (int64_t g = 0; g < G; g++) {
     float* sg = score + g * m;
     __m512 tops = _mm512_set1_ps(-INFINITY);  // a maximum is the same in any order
@@ -277,14 +279,16 @@ SG_AVX512 static void group_avx512(const float* q, int64_t G, const Pool& p, con
   }
 }
 
+// group_avx512 for this head_dim; false where d has no specialization (the caller's per-head loop
+// takes it).
 template <bool BF>
 SG_AVX512 static bool group_avx512_any(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m,
-                                       float sc, float* score, float* tile, float* o) {
+                                       float sc, float* score, float* total, float* tile, float* o) {
   switch (p.d) {
-    case 32: group_avx512<2, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
-    case 64: group_avx512<4, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
-    case 128: group_avx512<8, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
-    case 256: group_avx512<16, BF>(q, G, p, offs, m, sc, score, tile, o); return true;
+    case 32: group_avx512<2, BF>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 64: group_avx512<4, BF>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 128: group_avx512<8, BF>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 256: group_avx512<16, BF>(q, G, p, offs, m, sc, score, total, tile, o); return true;
     default: return false;
   }
 }
@@ -372,7 +376,7 @@ static void attend_core(const float* qp, int64_t heads, const Pool& p, const Att
   bool v512 = SG_X86 && isa() >= 2;
   (void)v512;
   at::parallel_for(0, rows * p.kv_heads, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> score(group * S), tile(32 * d);
+    std::vector<float> score(group * S), total(group), tile(TILE * d);
     std::vector<int64_t> offs(S);
     for (int64_t u = u0; u < u1; u++) {
       int64_t i = u / p.kv_heads, head = u % p.kv_heads, bi = i / c.t, h0 = head * group;
@@ -385,8 +389,9 @@ static void attend_core(const float* qp, int64_t heads, const Pool& p, const Att
       std::fill(o, o + group * d, 0.f);
       if (m == 0) continue;  // a padded query with no keys: zeros, as it is discarded
 #if SG_X86
-      if (v512 && (p.bf16 ? group_avx512_any<true>(qv, group, p, offs.data(), m, sc, score.data(), tile.data(), o)
-                          : group_avx512_any<false>(qv, group, p, offs.data(), m, sc, score.data(), tile.data(), o)))
+      float *sp = score.data(), *tp = total.data(), *wp = tile.data();
+      if (v512 && (p.bf16 ? group_avx512_any<true>(qv, group, p, offs.data(), m, sc, sp, tp, wp, o)
+                          : group_avx512_any<false>(qv, group, p, offs.data(), m, sc, sp, tp, wp, o)))
         continue;
 #endif
       for (int64_t g = 0; g < group; g++) attend_head(qv + g * d, p, offs.data(), m, sc, score.data(), o + g * d);
