@@ -83,7 +83,7 @@ def _in_vocab(token_ids: Iterable[int], vocab: int, param: str, what: str) -> No
 
 
 # vLLM's structured-output fields, which arrive as extras: the engine cannot constrain decoding
-# yet, so a request carrying one is refused rather than answered unconstrained.
+# yet, so a request carrying one is refused rather than answered unconstrained (and told why).
 CONSTRAINT_FIELDS = (
     "structured_outputs",
     "guided_json",
@@ -99,10 +99,12 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
     if (req.n or 1) > 1:
         raise _refuse("n > 1 is not supported by the embedded engine; send n separate requests", "n")
-    extra = req.model_extra or {}
-    for name in CONSTRAINT_FIELDS:
-        if extra.get(name) is not None:
-            raise _refuse(f"{name} (constrained decoding) is not supported by the embedded engine", name)
+    # Unknown fields pass validation so that vendor extensions reach external backends; the embedded
+    # engine honours none of them, so a set one is refused, never silently dropped.
+    for name, value in (req.model_extra or {}).items():
+        if value is not None:
+            what = f"{name} (constrained decoding)" if name in CONSTRAINT_FIELDS else name
+            raise _refuse(f"{what} is not supported by the embedded engine", name)
     if isinstance(req, ChatCompletionRequest):
         prompt_ids, tools = _chat_prompt(req, model)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -80,6 +80,8 @@ def test_stream(client: openai.OpenAI, model_name: str) -> None:
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
         ({"prompt": "a", "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
         ({"prompt": "a", "extra_body": {"structured_outputs": {"choice": ["a"]}}}, "structured_outputs"),
+        ({"prompt": "a", "extra_body": {"frobnicate": True}}, "frobnicate"),
+        ({"prompt": "a", "extra_body": {"chat_template_kwargs": {"x": 1}}}, "chat_template_kwargs"),
     ],
 )
 def test_refusals(client: openai.OpenAI, model_name: str, kwargs: dict, param: str) -> None:
