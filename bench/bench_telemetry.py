@@ -25,33 +25,38 @@ from specgate.gateway.telemetry.writer import TelemetryWriter
 
 def make_record(i: int) -> RequestRecord:
     now = time.time()
-    rec = RequestRecord(
-        f"bench-{uuid.uuid4().hex}", "chat", "SmolLM2-135M-Instruct", now - 0.5, stream=i % 2 == 0
-    )
-    rec.status, rec.backend, rec.api_key_id = 200, "embedded", "key-0123456789ab"
-    rec.route = RouteDecision(
+    route = RouteDecision(
         "SmolLM2-135M-Instruct", ["embedded"], SpecParams("ngram", "goodput", 0, 8), reason="bench"
     )
-    rec.route.served_by("embedded", external=False)
-    rec.prompt_tokens, rec.completion_tokens, rec.first_token_at, rec.finish_reason = (
-        300,
-        128,
-        now - 0.4,
-        "length",
+    route.served_by("embedded", external=False)
+    return RequestRecord(
+        f"bench-{uuid.uuid4().hex}",
+        "chat",
+        "SmolLM2-135M-Instruct",
+        now - 0.5,
+        stream=i % 2 == 0,
+        status=200,
+        backend="embedded",
+        api_key_id="key-0123456789ab",
+        route=route,
+        prompt_tokens=300,
+        completion_tokens=128,
+        first_token_at=now - 0.4,
+        finish_reason="length",
+        spec={
+            "method": "ngram",
+            "num_drafts": 40,
+            "num_draft_tokens": 160,
+            "num_accepted_tokens": 88,
+            "num_accepted_tokens_per_pos": [30, 25, 18, 15],
+            "mean_acceptance_length": 3.2,
+            "draft_acceptance_rate": 0.55,
+        },
+        load={"queue_depth": 2, "running": 12, "kv_usage": 0.4, "backend_in_flight": {"embedded": 12}},
+        workload_class="code",
+        features={"prompt_tokens": 300, "code_fraction": 0.8},
+        finished_at=now,
     )
-    rec.spec = {
-        "method": "ngram",
-        "num_drafts": 40,
-        "num_draft_tokens": 160,
-        "num_accepted_tokens": 88,
-        "num_accepted_tokens_per_pos": [30, 25, 18, 15],
-        "mean_acceptance_length": 3.2,
-        "draft_acceptance_rate": 0.55,
-    }
-    rec.load = {"queue_depth": 2, "running": 12, "kv_usage": 0.4, "backend_in_flight": {"embedded": 12}}
-    rec.workload_class, rec.features = "code", {"prompt_tokens": 300, "code_fraction": 0.8}
-    rec.finish()
-    return rec
 
 
 def run(url: str, rows: int, batch_size: int) -> tuple[float, float]:

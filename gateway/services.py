@@ -24,7 +24,7 @@ from specgate.gateway.shared_buckets import SharedRateLimiter
 from specgate.gateway.shared_limits import SharedTables, attached
 from specgate.gateway.telemetry.metrics import Metrics
 from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
-from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord, settle
+from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord
 from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
@@ -151,11 +151,10 @@ class Services:
             services.metrics.watch_writer(store.counters, store.queue_size)
         return services
 
-    def complete(self, record: RequestRecord, status: int | None, escaped: BaseException | None) -> None:
-        """The request is over (the middleware calls this once, whatever happened): settle its
-        record from the status sent, count it, and hand it to the sinks."""
+    def complete(self, record: RequestRecord) -> None:
+        """The request is over (the middleware calls this once, whatever happened): count its
+        record and hand it to the sinks."""
         try:
-            settle(record, status, escaped)
             self.metrics.observe(record)
         except Exception:  # a metrics bug must not cost the row
             logger.exception("counting request %s failed", record.request_id)

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from specgate.gateway.http.errors import invalid, validation_error
 from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.nesting import MAX_DEPTH, text_nests_deeper
+from specgate.gateway.request.tracker import RequestTracker
 
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -119,23 +120,20 @@ async def parse_admin(request: Request, model: type[M], optional: bool = False) 
     return validate(model, loads(raw), status=422)
 
 
-async def parse(request: Request, model: type[M]) -> M:
-    """Read, parse and validate the body; on the way, the record learns the model it asked for.
-    A large body is parsed and validated in a thread (orjson and pydantic hold the GIL, but a
-    thread lets the event loop in every switch interval; on the loop, a 4 MiB body of token ids
-    would stall it for the whole parse)."""
+async def parse(request: Request, model: type[M], tracker: RequestTracker | None = None) -> M:
+    """Read, parse and validate the body; the request's tracker learns its size and the model it
+    names before validation can refuse it. A large body is parsed and validated in a thread (orjson
+    and pydantic hold the GIL, but a thread lets the event loop in every switch interval; on the
+    loop, a 4 MiB body of token ids would stall it for the whole parse)."""
     raw = await request.body()
-    request.state.body_bytes = len(raw)
     if len(raw) > OFF_LOOP_BYTES:
-        result: M = await asyncio.to_thread(_parse_raw, request, raw, model)
+        result: M = await asyncio.to_thread(_parse_raw, raw, model, tracker)
         return result
-    return _parse_raw(request, raw, model)
+    return _parse_raw(raw, model, tracker)
 
 
-def _parse_raw(request: Request, raw: bytes, model: type[M]) -> M:
+def _parse_raw(raw: bytes, model: type[M], tracker: RequestTracker | None) -> M:
     data = loads(raw)
-    name = data.get("model")
-    record = getattr(request.state, "record", None)
-    if record is not None and isinstance(name, str):
-        record.model = name
+    if tracker is not None:
+        tracker.asked(data.get("model"), len(raw))
     return validate(model, data)

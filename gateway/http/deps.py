@@ -15,6 +15,7 @@ from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.http.ui.signin_guard import SignInGuard
 from specgate.gateway.limits import Concurrency, too_many_in_flight
 from specgate.gateway.protocol.errors import GatewayError
+from specgate.gateway.request.context import Caller
 from specgate.gateway.services import Services
 
 
@@ -26,8 +27,8 @@ async def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-async def api_key(request: Request, svc: ServicesDep) -> str | None:
-    """The caller's key id (for records), after checking the key if keys are set, then the rate limit
+async def api_key(request: Request, svc: ServicesDep) -> Caller:
+    """The caller (its key's id and its tenant), after checking the key if keys are set, then the rate limit
     and the tenant's cap on requests in flight: per key when keys are set, per client address in
     open mode (where any bearer string is accepted, so a client could otherwise mint itself a fresh
     limit with each request). The request's in-flight slot is released by the middleware when it
@@ -41,16 +42,12 @@ async def api_key(request: Request, svc: ServicesDep) -> str | None:
             raise unauthorized()
     ident = svc.key_ids.of(token) if token else None
     state = request.state
-    record = getattr(state, "record", None)
-    if record is not None:
-        record.api_key_id = ident
     bucket = getattr(state, "client_bucket", None) or "unknown"  # set by the middleware
     tenant = ident if keys and ident else f"addr:{bucket}"
     limits = svc.tenant_limits(ident if keys else None)
     svc.limiter_for(limits.rate_limit_rpm).check(tenant)
-    state.tenant = tenant
     hold(request, svc.in_flight, f"req:{tenant}", limits.max_in_flight, "requests")
-    return ident
+    return Caller(ident, tenant)
 
 
 def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str) -> None:
@@ -64,7 +61,7 @@ def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str)
     held.append((counts, key))
 
 
-ApiKeyDep = Annotated[str | None, Depends(api_key)]
+ApiKeyDep = Annotated[Caller, Depends(api_key)]
 
 
 async def admin_key(request: Request, svc: ServicesDep) -> None:

@@ -70,17 +70,9 @@ def validation_error(errors: Sequence[Any]) -> GatewayError:
     return invalid(f"invalid value for {param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-def _note(request: Request, error: GatewayError) -> None:
-    """The request's record (inference routes) learns the error code; the middleware submits it."""
-    record = getattr(request.state, "record", None)
-    if record is not None and record.error_code is None:
-        record.error_code = error.code
-
-
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GatewayError)
-        _note(request, exc)
         return error_response(exc)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -88,20 +80,17 @@ def install_error_handlers(app: FastAPI) -> None:
         error = validation_error(exc.errors())
         if request.url.path.startswith("/admin/"):
             error.status = 422  # the admin API speaks FastAPI's dialect; /v1 speaks OpenAI's (400)
-        _note(request, error)
         return error_response(error)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = "not_found" if exc.status_code == 404 else None
         error = GatewayError(exc.status_code, str(exc.detail), code=code)
-        _note(request, error)
         return error_response(error)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         error = GatewayError(500, "internal server error", code="internal_error")
-        _note(request, error)
         return error_response(error)
 
     app.add_exception_handler(GatewayError, on_api_error)

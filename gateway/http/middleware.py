@@ -7,9 +7,10 @@ it: 408, and the connection is closed), the per-address limit on refused traffic
 an OpenAI-shaped 500 for anything that escapes the app before the response started. A client that
 leaves before its body is in is a client disconnect (499), not an error of ours.
 
-For the inference routes it also owns the request's record: created here before anything can
-fail, filled along the way, completed from the status actually sent and submitted exactly once;
-and it releases the in-flight slots the request held (`state.held`, deps.hold) when it ends.
+For the inference routes it also makes the request's context and its tracker before anything can
+fail (`state.tracker`: the stages fill their parts of it), and when the request ends it has the
+one record built from the status actually sent and submitted exactly once; and it releases the
+in-flight slots the request held (`state.held`, deps.hold).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from specgate.gateway.http.auth import (
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.request.context import Endpoint, RequestContext
+from specgate.gateway.request.tracker import RequestTracker
 
 logger = logging.getLogger("specgate.gateway")
 _SANE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
-INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INFERENCE_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes are never turned away
 
@@ -93,12 +95,12 @@ class GatewayMiddleware:
                 scope["scheme"] = scheme
         bucket = state["client_bucket"] = limit_key(addr)  # an IPv6 client's /64: it holds many
         endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
-        record = None
+        tracker = None
         if endpoint is not None and services is not None:
-            record = RequestRecord(
-                request_id, endpoint, "unknown", state["received_at"], False, client_request_id=client_id
+            context = RequestContext(
+                request_id, client_id, endpoint, state["received_at"], state["received_perf"], addr, bucket
             )
-            state["record"] = record
+            tracker = state["tracker"] = RequestTracker(context)
             services.metrics.in_flight.inc()
         rid_header = (b"x-request-id", (client_id or request_id).encode())
         sent: list[int] = []  # the status actually sent, once the response started
@@ -162,8 +164,8 @@ class GatewayMiddleware:
                 await self.app(scope, limited_receive, send_with_id)
         except ClientDisconnect:
             # Gone before its body was in: nothing to answer, nobody's fault but the client's.
-            if record is not None:
-                record.outcome, record.error_code = "cancelled", "client_disconnected"
+            if tracker is not None:
+                tracker.cancelled("client_disconnected")
         except Exception as exc:
             escaped = exc
             if sent:
@@ -175,8 +177,8 @@ class GatewayMiddleware:
             )
             if not isinstance(exc, GatewayError):
                 logger.exception("unhandled error on %s", scope.get("path"))
-            if record is not None and record.error_code is None:
-                record.error_code = error.code
+            if tracker is not None:
+                tracker.refused(error.code)
             await self._send_error(error, send_with_id)
         except BaseException as exc:  # cancelled: the record still lands
             escaped = exc
@@ -188,11 +190,9 @@ class GatewayMiddleware:
             if services is not None:
                 if status in REFUSALS:
                     services.refusals.charge(bucket)
-                if record is not None:
-                    if status == 413 and record.error_code is None:
-                        record.error_code = "request_too_large"
+                if tracker is not None:
                     services.metrics.in_flight.dec()
-                    services.complete(record, status, escaped)
+                    services.complete(tracker.finish(status, escaped))
 
     @staticmethod
     def _refused(services: Any, scope: Scope, headers: dict[bytes, bytes], bucket: str) -> bool:

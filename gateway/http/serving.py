@@ -1,7 +1,9 @@
-"""One request's life in the gateway: route, call a backend (with failover), answer, record.
+"""One request's life in the gateway: route, call a backend (with failover), answer.
 
-Shared by the chat and completions endpoints. Whatever happens (bad input, backend failure,
-client disconnect) the request leaves exactly one record, and the client an OpenAI-shaped answer.
+Shared by the chat and completions endpoints. What it learns goes into the request's tracker (the
+load, the route decision, the backend call whose observation the backend fills, how it ended);
+the middleware builds the one record from it. Whatever happens (bad input, backend failure, client
+disconnect) the client gets an OpenAI-shaped answer.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from specgate.gateway.backends.base import Backend, BackendCall, Kind, Observation, RelayedChunk
+from specgate.gateway.backends.base import Backend, BackendCall, Kind, RelayedChunk
 from specgate.gateway.http.responses import SafeJSONResponse
 from specgate.gateway.http.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.request.tracker import RequestTracker
 from specgate.gateway.routing import dispatch
 from specgate.gateway.services import Services
-from specgate.gateway.telemetry.records import RequestRecord
 
 logger = logging.getLogger("specgate.gateway")
 
@@ -30,24 +32,19 @@ logger = logging.getLogger("specgate.gateway")
 async def handle(
     svc: Services,
     request: Request,
+    tracker: RequestTracker,
     parsed: ChatCompletionRequest | CompletionRequest,
     kind: Kind,
-    key_id: str | None,
 ) -> Response:
-    state = request.state
-    rec: RequestRecord = state.record  # created by the middleware, which also submits it
+    ctx, caller = tracker.context, tracker.caller
+    assert caller is not None  # the route checks the key before the body
     load = svc.load_signals()  # one snapshot: what the record keeps is what the policy saw
-    rec.model, rec.stream, rec.load = parsed.model, bool(parsed.stream), svc.load_snapshot(load)
+    tracker.stream, tracker.load = bool(parsed.stream), svc.load_snapshot(load)
     streaming = False
-    call: BackendCall | None = None
     try:
-        decision = svc.router.route(parsed, load)
-        rec.route = decision
-        rec.features = decision.features
-        rec.workload_class = decision.workload_class
-        rec.class_confidence = decision.class_confidence
-        call = BackendCall(
-            request_id=state.request_id,
+        decision = tracker.decision = svc.router.route(parsed, load)
+        call = tracker.call = BackendCall(
+            request_id=ctx.request_id,
             kind=kind,
             model=parsed.model,
             body=parsed.model_dump(exclude_unset=True),
@@ -55,37 +52,39 @@ async def handle(
             created=int(time.time()),
             spec=decision.spec,
             route=decision,
-            cache_scope=svc.cache_scope(key_id, state.client_addr),
-            prefix_salt=svc.prefix_salt(key_id, state.client_addr, parsed.cache_salt),
-            tenant=getattr(state, "tenant", ""),
-            body_bytes=getattr(state, "body_bytes", 0),
+            cache_scope=svc.cache_scope(caller.key_id, ctx.client_addr),
+            prefix_salt=svc.prefix_salt(caller.key_id, ctx.client_addr, parsed.cache_salt),
+            tenant=caller.tenant,
+            body_bytes=tracker.body_bytes,
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
-        rec.overhead_ms = (time.perf_counter() - state.received_perf) * 1e3
+        tracker.overhead_ms = (time.perf_counter() - ctx.received_perf) * 1e3
         if parsed.stream:
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
-            external = _note_backend(svc, rec, call, backend, decision.backends)
+            external = _note_failover(svc, call, backend, decision.backends)
             streaming = True
-            done = _Closer(rec, call, rest)
-            return EventStreamResponse(_events(svc, rec, call, first, rest, external, done), on_close=done)
+            done = _Closer(tracker, rest)
+            return EventStreamResponse(
+                _events(svc, tracker, call, first, rest, external, done), on_close=done
+            )
         body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
-        if _note_backend(svc, rec, call, backend, decision.backends):
+        if _note_failover(svc, call, backend, decision.backends):
             # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
             body["metrics"] = _external_metrics(call, body.get("metrics"))
         return SafeJSONResponse(body)
     except ClientDisconnected:
-        rec.outcome = "cancelled"
+        tracker.cancelled()
         return Response(status_code=499)
     except GatewayError as err:
         raise err.for_client(svc.settings.retry_after_seconds) from None
     finally:
         if not streaming:
-            _close(rec, call)
+            tracker.ended()
 
 
 async def _events(
     svc: Services,
-    rec: RequestRecord,
+    tracker: RequestTracker,
     call: BackendCall,
     first: dict[str, Any],
     rest: AsyncIterator[dict[str, Any]],
@@ -107,27 +106,24 @@ async def _events(
         yield DONE
     except GatewayError as err:
         error = err.for_client(svc.settings.retry_after_seconds)
-        rec.outcome, rec.error_code = "error", error.code or "backend_error"
-        logger.warning("stream %s failed after it started: %s", rec.request_id, err.message)
+        tracker.failed(error.code or "backend_error")
+        logger.warning("stream %s failed after it started: %s", call.request_id, err.message)
         done.completed = True
         yield error.sse_event()
     except (asyncio.CancelledError, GeneratorExit):
-        rec.outcome = "cancelled"
+        tracker.cancelled()
         raise
     except Exception:
-        logger.exception("stream %s failed after it started", rec.request_id)
-        rec.outcome, rec.error_code = "error", "internal_error"
+        logger.exception("stream %s failed after it started", call.request_id)
+        tracker.failed("internal_error")
         done.completed = True
         yield GatewayError(500, "internal server error", code="internal_error").sse_event()
     finally:
         await done()
 
 
-def _note_backend(
-    svc: Services, rec: RequestRecord, call: BackendCall, backend: Backend, order: list[str]
-) -> bool:
-    """Record which backend took the call (dispatch named it on the route); whether it is external."""
-    rec.backend = backend.name
+def _note_failover(svc: Services, call: BackendCall, backend: Backend, order: list[str]) -> bool:
+    """Count a failover (dispatch named the serving backend on the call); whether it is external."""
     if order and backend.name != order[0]:
         svc.metrics.failovers.labels(svc.metrics.model_label(call.model)).inc()
     return backend.external
@@ -144,45 +140,23 @@ def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any
     return out
 
 
-def _observe(rec: RequestRecord, obs: Observation) -> None:
-    rec.first_token_at = obs.first_token_time
-    rec.finish_reason = obs.finish_reason
-    rec.prompt_tokens = obs.prompt_tokens
-    rec.completion_tokens = obs.completion_tokens
-    rec.cached_tokens = obs.cached_tokens
-    rec.queue_ms = None if obs.queue_time is None else obs.queue_time * 1e3
-    rec.spec = obs.spec
-    rec.upstream = obs.upstream
-    rec.attempts = obs.attempts
-    rec.spec_steps = obs.spec_steps
-
-
 class _Closer:
     """Ends a stream's backend side once, whichever runs first: the event generator's `finally`, or
     the response's `on_close` when the generator never started."""
 
-    def __init__(self, rec: RequestRecord, call: BackendCall, rest: AsyncIterator[Any]) -> None:
-        self.rec, self.call, self.rest, self.done = rec, call, rest, False
+    def __init__(self, tracker: RequestTracker, rest: AsyncIterator[Any]) -> None:
+        self.tracker, self.rest, self.done = tracker, rest, False
         self.completed = False  # the stream reached its end ([DONE] or an error event)
 
     async def __call__(self) -> None:
         if self.done:
             return
         self.done = True
-        if not self.completed and self.rec.outcome == "ok":
-            self.rec.outcome = "cancelled"  # it ended before its end: the client left
+        if not self.completed:
+            self.tracker.cancelled()  # it ended before its end: the client left
         try:
             aclose = getattr(self.rest, "aclose", None)
             if aclose is not None:
                 await aclose()  # the engine aborts the request, an upstream response is closed
         finally:
-            _close(self.rec, self.call)
-
-
-def _close(rec: RequestRecord, call: BackendCall | None) -> None:
-    """What the backend observed goes into the record; the middleware settles and submits it."""
-    if call is not None:
-        _observe(rec, call.observed)
-        if call.observed.backend and rec.backend is None:
-            rec.backend = call.observed.backend
-    rec.finish()
+            self.tracker.ended()

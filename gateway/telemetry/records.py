@@ -1,21 +1,20 @@
-"""One record per request: who asked, how it was routed, how it went. Handed to a sink when it ends.
+"""One record per request: who asked, how it was routed, how it went. Handed to the sinks when it ends.
 
-The sink is a seam: in memory here (recent records, for tests and the admin API); the telemetry
-store persists them. Submitting never blocks the request path.
+Immutable: built once, when the request is over (`request/tracker.py`), from what each stage
+produced. The sinks: recent records in memory (`MemorySink`), Prometheus, the telemetry store (which
+persists the record as rows, `rows.py`). Submitting never blocks the request path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specgate.gateway.protocol.route import RouteDecision
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     request_id: str
     endpoint: str  # "chat" | "completion"
@@ -46,7 +45,6 @@ class RequestRecord:
     workload_class: str | None = None  # set by a classifying router
     class_confidence: float | None = None
     features: dict[str, Any] = field(default_factory=dict)  # what the routing policy saw
-    # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
     # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.
     spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
 
@@ -73,30 +71,6 @@ class RequestRecord:
     def tokens_per_s(self) -> float | None:
         e2e = self.e2e_ms
         return None if not e2e or self.completion_tokens is None else self.completion_tokens / (e2e / 1e3)
-
-    def finish(self) -> None:
-        self.finished_at = time.time()
-
-
-def settle(rec: RequestRecord, status: int | None, escaped: BaseException | None) -> None:
-    """Complete `rec` from what the client actually got: `status` as sent (None: no response
-    started) and the exception that escaped the app, if any. Outcomes already decided along the way
-    (a stream that failed or was abandoned after its 200) stand."""
-    if status is not None:
-        rec.status = status
-    elif escaped is None or isinstance(escaped, asyncio.CancelledError):
-        rec.status = rec.status or 499  # the client left before any answer
-    else:
-        rec.status = 500
-    if rec.outcome == "ok":
-        if rec.status == 499:
-            rec.outcome = "cancelled"
-        elif rec.status >= 400:
-            rec.outcome = "error"
-    if rec.outcome == "error" and rec.error_code is None and rec.status >= 500:
-        rec.error_code = "internal_error"
-    if rec.finished_at is None:
-        rec.finish()
 
 
 class RecordSink(Protocol):

@@ -4,38 +4,34 @@ The supervisor hosts the only TelemetryStore writer and a `RecordRelayServer` in
 thread accepting the workers' connections on a Unix socket in the supervisor's private directory.
 Each worker's `RelaySink` (relay_sink.py) sends its finished records there in batches.
 
-On the wire a frame is a 4-byte big-endian length and that many bytes: a pickled list of byte
-strings, each one pickled RequestRecord (pickled one by one so that a record the server will not
-load costs that record alone, not its batch). The server answers every frame with one ACK byte once
-its records are in the store's queue; the sink keeps a batch until it is acknowledged and sends it
-again on a new connection otherwise. A batch sent twice is harmless: the writer's inserts ignore a
-request id that is already there (ON CONFLICT DO NOTHING).
+On the wire a frame is a 4-byte big-endian length and that many bytes: lines of JSON, each one
+record's entry (rows.py: its request row and its sampled step rows), plain data, so that nothing a
+worker sends is ever run, and an entry the server will not load costs that entry alone, not its
+batch. The server answers every frame with one ACK byte once its entries are in the writer's queue;
+the sink keeps a batch until it is acknowledged and sends it again on a new connection otherwise.
+A batch sent twice is harmless: the writer's inserts ignore a request id that is already there
+(ON CONFLICT DO NOTHING).
 
-The socket is only as private as its directory (and it is made 0600), and unpickling runs only the
-constructors of the few classes a record is made of (`RecordLoader`). A frame that is too long or
-is not a list of byte strings closes that connection alone; a record that will not load is counted
-and logged, and the rest of its frame lands.
+The socket is only as private as its directory (and it is made 0600). A frame that is too long
+closes that connection alone; an entry that will not load is counted and logged, and the rest of
+its frame lands.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
-import pickle
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from specgate.engine.spec_decode.params import SpecParams
-from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry.idle_cpu import yield_cpu
-from specgate.gateway.telemetry.records import RequestRecord
+from specgate.gateway.telemetry.rows import Entry, decode_entry
 
 logger = logging.getLogger("specgate.telemetry")
 HEADER = struct.Struct("!I")
@@ -44,42 +40,9 @@ MAX_FRAME = 64 * 2**20  # a sink's batches are far smaller; a longer frame is no
 ACCEPT_POLL = 0.2  # seconds between looks at the stop flag while nobody connects
 
 
-def _allowed() -> frozenset[tuple[str, str]]:
-    names = {(c.__module__, c.__qualname__) for c in (RequestRecord, RouteDecision, SpecParams)}
-    # The classifier's probabilities can reach a record's features as numpy scalars.
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        names.add((module, "scalar"))
-    names.add(("numpy", "dtype"))
-    return frozenset(names)
-
-
-ALLOWED = _allowed()
-
-
-class RecordLoader(pickle.Unpickler):
-    """An unpickler that builds nothing but the classes a record is made of."""
-
-    allowed = ALLOWED
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self.allowed:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        return super().find_class(module, name)
-
-
-class FrameLoader(RecordLoader):
-    allowed: frozenset[tuple[str, str]] = frozenset()  # a frame is a list of byte strings: no classes
-
-
-def load_record(data: bytes) -> RequestRecord:
-    record = RecordLoader(io.BytesIO(data)).load()
-    if not isinstance(record, RequestRecord):
-        raise pickle.UnpicklingError(f"a {type(record).__name__}, not a RequestRecord")
-    return record
-
-
 def encode_frame(items: list[bytes]) -> bytes:
-    payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    """Encoded entries (one line each: JSON never holds a raw newline) as one frame."""
+    payload = b"\n".join(items)
     return HEADER.pack(len(payload)) + payload
 
 
@@ -99,19 +62,8 @@ class BadFrame(Exception):
     pass
 
 
-def decode_frame(payload: bytes) -> list[bytes]:
-    """The frame's items (a pickled list of byte strings: no class is loaded to read it)."""
-    try:
-        items = FrameLoader(io.BytesIO(payload)).load()
-    except Exception as exc:  # garbage fails in many ways
-        raise BadFrame(f"not a frame: {exc!r}") from None
-    if not isinstance(items, list) or not all(isinstance(i, bytes) for i in items):
-        raise BadFrame("a frame is a list of byte strings")
-    return items
-
-
-class RecordStore(Protocol):
-    def submit(self, record: RequestRecord) -> None: ...
+class EntryStore(Protocol):
+    def submit_entry(self, entry: Entry) -> None: ...
 
 
 @dataclass(slots=True)
@@ -128,7 +80,7 @@ class RecordRelayServer:
     workers are gone (it waits for every connection to be drained) and before `store.close()`."""
 
     def __init__(
-        self, store: RecordStore, socket_path: str, drain_timeout: float = 30.0, idle: bool = False
+        self, store: EntryStore, socket_path: str, drain_timeout: float = 30.0, idle: bool = False
     ) -> None:
         self.store = store
         self.idle = idle  # receive at idle CPU priority (idle_cpu.py): no request waits on it
@@ -201,25 +153,25 @@ class RecordRelayServer:
             payload = read_exactly(conn, size)
             if payload is None:
                 return  # cut mid-frame: nothing of it was acknowledged, so it will come again
-            self._land(decode_frame(payload))
+            self._land(payload.split(b"\n") if payload else [])
             reply(ACK)
 
     def _land(self, items: list[bytes]) -> None:
         self.counters.frames += 1
-        records = []
+        entries = []
         for data in items:
             try:
-                records.append(load_record(data))
-            except Exception as exc:
+                entries.append(decode_entry(data))
+            except ValueError as exc:  # orjson's decode errors are ValueErrors too
                 self.counters.refused_records += 1
-                logger.warning("telemetry relay: dropping a record that does not load: %r", exc)
+                logger.warning("telemetry relay: dropping an entry that does not load: %s", exc)
         with self._submit_lock:
-            for record in records:
+            for entry in entries:
                 try:
-                    self.store.submit(record)
+                    self.store.submit_entry(entry)
                     self.counters.records += 1
                 except Exception:
-                    logger.exception("telemetry store refused request %s", record.request_id)
+                    logger.exception("telemetry store refused request %s", entry["r"]["request_id"])
 
     def close(self) -> None:
         """Stop accepting, wait for the connected workers to finish (they flush when they close),

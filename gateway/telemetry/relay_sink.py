@@ -1,10 +1,11 @@
 """A worker's end of the telemetry relay (relay.py): a RecordSink that sends to the supervisor.
 
-`submit` runs on the event loop, after the request's answer is out: it pickles the record (~7 µs)
-and appends the bytes to a bounded `Inbox` (inbox.py); it never blocks and never raises. A thread
-takes up to `batch_size` pickled records at a time, frames them and sends the batch, then waits for
-the server's acknowledgement; only then is the batch gone from here. The thread runs no per-record
-Python: pickling a flush's worth of records there (a few ms at a thousand requests a second) would
+`submit` runs on the event loop, after the request's answer is out: it turns the record into its
+entry (rows.py: plain data) and encodes it as one line of JSON, and appends the bytes to a bounded
+`Inbox` (inbox.py); it never blocks and never raises. A thread takes up to `batch_size` encoded
+entries at a time, frames them and sends the batch, then waits for the server's acknowledgement;
+only then is the batch gone from here. The thread runs no per-record Python: encoding a flush's
+worth of records there (a few ms at a thousand requests a second) would
 hold the GIL while the event loop waits, and set the gateway's sequential p99. A broken
 connection is opened again with backoff (up to `max_backoff` seconds) and the unacknowledged batch
 sent again; meanwhile records wait in the inbox, and once it holds `max_backlog` the new ones are
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import random
 import socket
 import threading
@@ -29,6 +29,7 @@ import time
 from specgate.gateway.telemetry.inbox import Inbox
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.relay import ACK, encode_frame
+from specgate.gateway.telemetry.rows import encode_entry, entry_of
 from specgate.gateway.telemetry.writer import WriterCounters
 
 logger = logging.getLogger("specgate.telemetry")
@@ -45,9 +46,13 @@ class RelaySink:
         max_backoff: float = 2.0,
         io_timeout: float = 30.0,
         close_timeout: float = 30.0,
+        step_sample_rate: float = 0.0,
     ) -> None:
         if batch_size < 1 or flush_interval <= 0 or max_backlog < 1 or max_backoff <= 0 or io_timeout <= 0:
             raise ValueError("invalid telemetry relay settings")
+        if not 0.0 <= step_sample_rate <= 1.0:
+            raise ValueError("invalid telemetry relay settings")
+        self.step_sample_rate = step_sample_rate  # sampled here: unsampled steps never cross
         self.path = socket_path
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -55,7 +60,8 @@ class RelaySink:
         self.io_timeout = io_timeout
         self.close_timeout = close_timeout
         self.counters = WriterCounters()
-        # Pickled records; the thread is woken per batch.
+        self._rng = random.Random()
+        # Encoded entries; the thread is woken per batch.
         self._backlog: Inbox[bytes] = Inbox(max_backlog, batch_size)
         self._pending: tuple[bytes, int] | None = None  # the frame sent and not yet acknowledged
         self._conn: socket.socket | None = None
@@ -67,10 +73,10 @@ class RelaySink:
 
     def submit(self, record: RequestRecord) -> None:
         try:
-            data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode_entry(entry_of(record, self.step_sample_rate, self._rng))
         except Exception:
             self.counters.dropped += 1
-            logger.exception("telemetry relay: request %s cannot be pickled", record.request_id)
+            logger.exception("telemetry relay: request %s cannot be encoded", record.request_id)
             return
         try:
             self._backlog.put_nowait(data)

@@ -1,11 +1,22 @@
-"""A finished request's record as rows: plain JSON values, so the same dict goes to SQL or the spool."""
+"""A finished request's record as rows: plain JSON values, so the same entry goes to SQL, to the
+spool, or over the relay to the supervisor's writer.
+
+An entry is `{"r": request row, "s": [step rows]}` ("s" only when the request's verification steps
+were sampled): the one form a record takes once it leaves the process that served it.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import random
 from typing import Any
 
+import orjson
+
 from specgate.gateway.telemetry.records import RequestRecord
+
+Entry = dict[str, Any]
+_ENCODE = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 TIME_COLUMNS = ("received_at", "first_token_at", "finished_at")
 
@@ -87,6 +98,33 @@ def step_rows(rec: RequestRecord) -> list[dict[str, Any]]:
         }
         for i, (k, a, b, ms, depth) in enumerate(rec.spec_steps)
     ]
+
+
+def entry_of(rec: RequestRecord, step_sample_rate: float = 0.0, rng: random.Random | None = None) -> Entry:
+    """The record's rows; its steps with probability `step_sample_rate`."""
+    out: Entry = {"r": request_row(rec)}
+    if rec.spec_steps and step_sample_rate and (rng or random).random() < step_sample_rate:
+        out["s"] = step_rows(rec)
+    return out
+
+
+def encode_entry(value: Entry) -> bytes:
+    """Compact JSON on one line. Numpy scalars (a classifier's probabilities in `features`) become
+    numbers, anything else JSON has no form for becomes its text: a row is never lost to a type."""
+    return orjson.dumps(value, default=str, option=_ENCODE)
+
+
+def decode_entry(data: bytes) -> Entry:
+    """An entry as `encode_entry` wrote it; ValueError for anything that is not one."""
+    value = orjson.loads(data)
+    if not isinstance(value, dict) or not isinstance(value.get("r"), dict):
+        raise ValueError("an entry is an object with a request row under 'r'")
+    if not isinstance(value["r"].get("request_id"), str):
+        raise ValueError("a request row needs a string request_id")
+    steps = value.get("s")
+    if steps is not None and not (isinstance(steps, list) and all(isinstance(r, dict) for r in steps)):
+        raise ValueError("'s' holds a list of step rows")
+    return value
 
 
 # Rows spooled by earlier versions name some columns as they were before revision 0004.

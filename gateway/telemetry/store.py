@@ -16,6 +16,7 @@ from pathlib import Path
 from specgate.gateway.settings import TelemetrySettings
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.relay_sink import RelaySink
+from specgate.gateway.telemetry.rows import Entry
 from specgate.gateway.telemetry.schema import (
     SchemaOutdatedError,
     default_data_dir,
@@ -48,6 +49,7 @@ class TelemetryStore:
                 batch_size=settings.batch_size,
                 flush_interval=settings.flush_interval,
                 max_backlog=settings.max_queue,
+                step_sample_rate=settings.spec_steps_sample_rate,
             )
         else:
             self.writer = TelemetryWriter(
@@ -89,6 +91,12 @@ class TelemetryStore:
             self.writer.submit(record)
         elif self.relay is not None:
             self.relay.submit(record)
+
+    def submit_entry(self, entry: Entry) -> None:
+        """A worker's record as its relay sent it (the supervisor's relay server calls this)."""
+        if self.writer is None:
+            raise RuntimeError("only a store with a writer takes relayed entries")
+        self.writer.submit_entry(entry)
 
     @property
     def counters(self) -> WriterCounters:

@@ -37,7 +37,7 @@ from specgate.gateway.telemetry.idle_cpu import yield_cpu
 from specgate.gateway.telemetry.inbox import Inbox, InboxFull
 from specgate.gateway.telemetry.quarantine import keep_refused
 from specgate.gateway.telemetry.records import RequestRecord
-from specgate.gateway.telemetry.rows import request_row, step_rows, to_sql, upgrade_row
+from specgate.gateway.telemetry.rows import Entry, entry_of, to_sql, upgrade_row
 from specgate.gateway.telemetry.spool import Orphan, Spool
 from specgate.gateway.telemetry.tables import requests, spec_steps
 
@@ -103,9 +103,10 @@ class TelemetryWriter:
     # ---- request path (event loop: no I/O here) -----------------------------------------------
 
     def submit(self, rec: RequestRecord) -> None:
-        entry: dict[str, Any] = {"r": request_row(rec)}
-        if rec.spec_steps and self.step_sample_rate and self._rng.random() < self.step_sample_rate:
-            entry["s"] = step_rows(rec)
+        self.submit_entry(entry_of(rec, self.step_sample_rate, self._rng))
+
+    def submit_entry(self, entry: Entry) -> None:
+        """A record's rows as they came from a worker's relay (rows.py), already sampled."""
         self.counters.queued += 1
         try:
             self._queue.put_nowait(entry)

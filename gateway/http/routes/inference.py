@@ -2,7 +2,7 @@
 
 These two routes are the gateway's hot path, so they skip FastAPI's middleware stack, router and
 dependency injection (a third of the gateway's CPU per proxied request, measured with py-spy): the
-app hands them straight to `GatewayMiddleware` (request id, record, limits) and this handler. The
+app hands them straight to `GatewayMiddleware` (request id, tracker, limits) and this handler. The
 checks are the same functions the FastAPI routes use: the key and rate limit (`deps.api_key`),
 then the body (`body.parse`), read only after the key check, so an unauthenticated client never
 gets a 4 MiB JSON document parsed. Their OpenAPI operations are added by `openapi.install`.
@@ -22,6 +22,7 @@ from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.serving import handle
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.request.tracker import RequestTracker
 from specgate.gateway.services import Services
 
 
@@ -54,12 +55,13 @@ def endpoint(op: Operation) -> ASGIApp:
             return
         request = Request(scope, receive)
         svc: Services = scope["app"].state.services
-        key = await api_key(request, svc)
-        parsed = await body.parse(request, op.model)
+        tracker: RequestTracker = request.state.tracker  # made by GatewayMiddleware
+        caller = tracker.caller = await api_key(request, svc)
+        parsed = await body.parse(request, op.model, tracker)
         if parsed.stream:
-            limit = svc.tenant_limits(key if svc.api_keys else None).max_streams
-            hold(request, svc.in_flight, f"stream:{request.state.tenant}", limit, "streams")
-        response = await handle(svc, request, parsed, op.kind, key)
+            limit = svc.tenant_limits(caller.key_id if svc.api_keys else None).max_streams
+            hold(request, svc.in_flight, f"stream:{caller.tenant}", limit, "streams")
+        response = await handle(svc, request, tracker, parsed, op.kind)
         await response(scope, receive, send)
 
     return app

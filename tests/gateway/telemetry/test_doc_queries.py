@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -33,25 +35,25 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
     w.start()
     for i in range(40):
         rec = record(i)
-        rec.workload_class = "code" if i % 2 else "open_chat"
+        route = rec.route
+        assert route is not None
+        change: dict[str, Any] = {"workload_class": "code" if i % 2 else "open_chat"}
         if i % 4 == 0:  # plain decoding, faster on open chat: ngram "loses" there
-            assert rec.route is not None
-            rec.spec, rec.route.spec = {"method": None}, None
-            rec.completion_tokens = 200
+            route.spec = None
+            change |= {"spec": {"method": None}, "completion_tokens": 200}
         if i % 5 == 1:
-            rec.cached_tokens = None  # a backend that does not report its prefix-cache hits
+            change["cached_tokens"] = None  # a backend that does not report its prefix-cache hits
         if i % 10 == 9:
-            rec.outcome, rec.status, rec.error_code = "error", 503, "overloaded"
+            change |= {"outcome": "error", "status": 503, "error_code": "overloaded"}
         if i < 12:  # routed within a replica group; every third one away from its home replica
-            assert rec.route is not None
-            rec.route.affinity = {
+            route.affinity = {
                 "group": "pool",
                 "source": "user",
                 "home": "a",
                 "chosen": "a",
                 "hit": i % 3 != 0,
             }
-        w.submit(rec)
+        w.submit(dataclasses.replace(rec, **change))
     assert w.flush()
     w.close()
     engine = schema.make_engine(db_url)

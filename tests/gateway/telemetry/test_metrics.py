@@ -23,11 +23,20 @@ def _metrics() -> Metrics:
 
 
 def _record(prompt: object, cached: object, model: str = "m", outcome: str = "ok") -> RequestRecord:
-    rec = RequestRecord("r", "chat", model, received_at=time.time(), stream=False)
-    rec.backend, rec.status, rec.outcome = "embedded", 200, outcome
-    rec.prompt_tokens, rec.cached_tokens = prompt, cached  # type: ignore[assignment]
-    rec.finish()
-    return rec
+    now = time.time()
+    return RequestRecord(
+        "r",
+        "chat",
+        model,
+        received_at=now,
+        stream=False,
+        backend="embedded",
+        status=200,
+        outcome=outcome,
+        prompt_tokens=prompt,  # type: ignore[arg-type]
+        cached_tokens=cached,  # type: ignore[arg-type]
+        finished_at=now,
+    )
 
 
 def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -4,6 +4,8 @@ in threads and in a spawned process; a server that dies and comes back; hostile 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime as dt
 import multiprocessing
 import os
 import pickle
@@ -26,18 +28,29 @@ from specgate.gateway.settings import TelemetrySettings
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.relay import ACK, HEADER, RecordRelayServer, encode_frame
 from specgate.gateway.telemetry.relay_sink import RelaySink
+from specgate.gateway.telemetry.rows import encode_entry, entry_of
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.telemetry.tables import requests
 
 
 def record(name: str) -> RequestRecord:
-    rec = RequestRecord(name, "chat", "m", received_at=time.time() - 1, stream=False)
-    rec.status, rec.backend, rec.prompt_tokens, rec.completion_tokens = 200, "embedded", 10, 20
-    rec.route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
-    rec.route.served_by("embedded", external=False)
-    rec.features = {"p_code": np.float64(0.75), "prompt_chars": 42}  # numpy scalars do reach records
-    rec.finish()
-    return rec
+    route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
+    route.served_by("embedded", external=False)
+    return RequestRecord(
+        name,
+        "chat",
+        "m",
+        received_at=time.time() - 1,
+        stream=False,
+        status=200,
+        backend="embedded",
+        prompt_tokens=10,
+        completion_tokens=20,
+        route=route,
+        # numpy scalars do reach records (a classifier's probabilities)
+        features={"p_code": np.float64(0.75), "p_chat": np.float32(0.25), "prompt_chars": 42},
+        finished_at=time.time(),
+    )
 
 
 def settings(tmp: Path) -> TelemetrySettings:
@@ -152,23 +165,28 @@ def _raw(path: str, data: bytes) -> bytes:
         return got
 
 
-def test_hostile_frames_close_only_their_connection(tmp: Path, store: TelemetryStore) -> None:
+def test_hostile_frames_cost_only_themselves(tmp: Path, store: TelemetryStore) -> None:
     path = str(tmp / "t.sock")
     server = RecordRelayServer(store, path).start()
     sink = RelaySink(path).start()
     sink.submit(record("before"))
     assert _raw(path, HEADER.pack(2**31)) == b""  # a huge length: closed before reading a byte of it
-    assert _raw(path, HEADER.pack(9) + b"\x80\x04garbage") == b""
-    not_a_list = pickle.dumps({"not": "a list"})
-    assert _raw(path, HEADER.pack(len(not_a_list)) + not_a_list) == b""
-    assert _raw(path, HEADER.pack(5) + b"\x00" * 5) == b""
-    # A well-formed frame carrying a malicious pickle: that record is refused, never run.
-    assert _raw(path, encode_frame([pickle.dumps(_Exploit()), pickle.dumps(record("good"))])) == ACK
+    # Whatever a frame's lines hold, nothing in them is run: a pickle that would run a command,
+    # garbage, JSON that is not an entry; each is refused alone and the good entry lands.
+    good = encode_entry(entry_of(record("good")))
+    hostile = [
+        pickle.dumps(_Exploit()).replace(b"\n", b" "),
+        b"\x80\x04garbage",
+        b'{"not": "an entry"}',
+        b'{"r": {"request_id": 7}}',
+        b'{"r": {"request_id": "x"}, "s": "steps"}',
+    ]
+    assert _raw(path, encode_frame([*hostile, good])) == ACK
     assert not os.path.exists("/tmp/specgate-relay-pwned")
     sink.submit(record("after"))
     sink.close()
     server.close()
-    assert server.counters.bad_frames == 4 and server.counters.refused_records == 1
+    assert server.counters.bad_frames == 1 and server.counters.refused_records == len(hostile)
     assert store.writer is not None and store.writer.flush(20)
     assert rows(store) == 3  # before, good, after
 
@@ -196,23 +214,23 @@ def _until(cond: object, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_an_unpicklable_record_is_counted_at_submit_and_the_rest_land(
-    tmp: Path, store: TelemetryStore
-) -> None:
+def test_a_value_json_has_no_form_for_still_lands(tmp: Path, store: TelemetryStore) -> None:
     path = str(tmp / "t.sock")
     server = RecordRelayServer(store, path).start()
     sink = RelaySink(path).start()
-    bad = record("bad")
-    bad.features = {"oops": lambda: None}  # cannot be pickled
+    odd = dataclasses.replace(record("odd"), features={"when": dt.date(2026, 1, 2), "what": object()})
     sink.submit(record("first"))
-    sink.submit(bad)  # pickled on the spot: counted now, never queued
-    assert sink.counters.dropped == 1 and sink.counters.queued == 1
+    sink.submit(odd)  # encoded on the spot, the odd values as their text
     sink.submit(record("last"))
     sink.close()
     server.close()
-    assert sink.counters.written == 2 and sink.counters.dropped == 1
+    assert sink.counters.written == 3 and sink.counters.dropped == 0
     assert store.writer is not None and store.writer.flush(20)
-    assert rows(store) == 2
+    assert rows(store) == 3
+    with store.engine.connect() as conn:
+        query = select(requests.c.features).where(requests.c.request_id == "odd")
+        features = conn.execute(query).scalar_one()
+    assert features["when"] == "2026-01-02" and features["what"].startswith("<object")
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

@@ -18,10 +18,8 @@ def test_cached_token_share_counts_only_rows_that_report_hits(db_url: str, tmp_p
     w = TelemetryWriter(engine, Spool(tmp_path / "s.jsonl"), flush_interval=0.02)
     w.start()
     for i in range(6):
-        rec = record(i)  # 10 prompt tokens, 4 of them cached
-        if i >= 4:
-            rec.backend, rec.cached_tokens = "upstream", None  # a backend that does not say
-        w.submit(rec)
+        # 10 prompt tokens, 4 of them cached; the last two from a backend that does not say
+        w.submit(record(i, backend="upstream", cached_tokens=None) if i >= 4 else record(i))
     assert w.flush()
     w.close()
     stats = window_stats(engine, dt.datetime.now(dt.UTC) - dt.timedelta(hours=1))

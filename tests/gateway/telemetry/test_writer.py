@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -25,14 +27,11 @@ from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_qu
 from specgate.gateway.telemetry.writer import TelemetryWriter
 
 
-def record(i: int, **kw: object) -> RequestRecord:
-    rec = RequestRecord(f"req-{i}", "chat", "m", received_at=time.time() - 1, stream=False, **kw)  # type: ignore[arg-type]
-    rec.status, rec.backend = 200, "embedded"
-    rec.route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
-    rec.route.served_by("embedded", external=False)
-    rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = 10, 20, 4
-    rec.first_token_at = rec.received_at + 0.05
-    rec.spec = {
+def record(i: int, **kw: Any) -> RequestRecord:
+    route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
+    route.served_by("embedded", external=False)
+    received = time.time() - 1
+    spec = {
         "method": "ngram",
         "num_drafts": 5,
         "num_draft_tokens": 15,
@@ -43,10 +42,20 @@ def record(i: int, **kw: object) -> RequestRecord:
         "num_tree_drafts": 1,
         "mean_draft_nodes": 3.0,
     }
-    rec.spec_steps = [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)]  # the second a tree of 3 nodes, 2 deep
-    rec.load = {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}}
-    rec.finish()
-    return rec
+    fields: dict[str, Any] = {
+        "status": 200,
+        "backend": "embedded",
+        "route": route,
+        "prompt_tokens": 10,
+        "completion_tokens": 20,
+        "cached_tokens": 4,
+        "first_token_at": received + 0.05,
+        "finished_at": time.time(),
+        "spec": spec,
+        "spec_steps": [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)],  # the second a tree of 3 nodes, 2 deep
+        "load": {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}},
+    }
+    return RequestRecord(f"req-{i}", "chat", "m", received_at=received, stream=False, **(fields | kw))
 
 
 def count(url: str, table=requests) -> int:  # type: ignore[no-untyped-def]
@@ -237,16 +246,20 @@ def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None
     strings, odd JSON) lands, fitted."""
     schema.upgrade(db_url)
     w = writer_for(db_url, tmp_path / "spool")
-    rec = record(1, client_request_id="c" * 500)
-    rec.model = "\ud800bad\x00" + "m" * 1000
-    rec.prompt_tokens, rec.completion_tokens = 10**30, -(10**30)
-    rec.queue_ms = float("nan")
-    rec.features = {
-        "x": float("inf"),
-        "\udfff": ["\ud800", 2**70],
-        "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
-    }
-    rec.upstream = {"big": "y" * 200_000}
+    rec = record(
+        1,
+        client_request_id="c" * 500,
+        prompt_tokens=10**30,
+        completion_tokens=-(10**30),
+        queue_ms=float("nan"),
+        features={
+            "x": float("inf"),
+            "\udfff": ["\ud800", 2**70],
+            "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
+        },
+        upstream={"big": "y" * 200_000},
+    )
+    rec = dataclasses.replace(rec, model="\ud800bad\x00" + "m" * 1000)
     w.submit(rec)
     assert w.flush()
     w.close()
@@ -266,9 +279,8 @@ def test_a_row_the_database_refuses_is_quarantined_and_never_blocks(db_url: str,
     schema.upgrade(db_url)
     w = writer_for(db_url, tmp_path / "spool", batch_size=50)
     for i in range(30):
-        rec = record(i)
-        if i == 7:
-            rec.outcome = None  # type: ignore[assignment]  # NOT NULL: no fitting can save it
+        # NOT NULL: no fitting can save a missing outcome
+        rec = record(i, outcome=None) if i == 7 else record(i)
         w.submit(rec)
     assert w.flush()
     w.close()
@@ -341,8 +353,8 @@ from specgate.gateway.telemetry.records import RequestRecord
 spool = Spool(sys.argv[1])
 rows = []
 for i in range(5):
-    rec = RequestRecord(f"{sys.argv[2]}-{i}", "chat", "m", time.time(), False, status=200)
-    rec.finish()
+    now = time.time()
+    rec = RequestRecord(f"{sys.argv[2]}-{i}", "chat", "m", now, False, status=200, finished_at=now)
     rows.append({"r": request_row(rec)})
 spool.append(rows)
 if sys.argv[3] == "crash":
