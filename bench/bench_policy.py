@@ -87,8 +87,8 @@ def _user(text: str) -> dict[str, str]:
 
 def held_out_classifier(evaluation: list[Item], out: Path) -> tuple[Path, dict[str, Any]]:
     """A classifier trained without any dataset group that holds an evaluation prompt."""
-    from specgate.policies import dataset
-    from specgate.policies.classifier_training import train_and_save
+    from specgate.policies.training import dataset
+    from specgate.policies.training.classifier import train_and_save
 
     texts = [str(m["content"]) for r, _ in evaluation for m in r.messages if m["role"] == "user"]
     keys = [t.strip()[:200] for t in texts if t.strip() and t != FOLLOW_UP]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specgate.policies import dataset
+from specgate.policies.training import dataset
 
 DATA = Path(__file__).resolve().parent / "data"
 

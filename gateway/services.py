@@ -13,17 +13,23 @@ from pathlib import Path
 from typing import Any
 
 from specgate.gateway.backends.registry import BackendRegistry
-from specgate.gateway.backends.upstream_client import UpstreamClient
+from specgate.gateway.backends.upstream.client import UpstreamClient
 from specgate.gateway.keyring import KeyIds, gateway_secret
-from specgate.gateway.limits import Concurrency, ConcurrencyLimiter, Limiter, RateLimiter, RefusalBudget
-from specgate.gateway.routing.policy_manager import PolicyManager
+from specgate.gateway.limits.limiters import (
+    Concurrency,
+    ConcurrencyLimiter,
+    Limiter,
+    RateLimiter,
+    RefusalBudget,
+)
+from specgate.gateway.limits.shared import SharedTables, attached
+from specgate.gateway.limits.shared_buckets import SharedRateLimiter
+from specgate.gateway.policy.manager import PolicyManager
+from specgate.gateway.policy.store import MemoryPolicyStore, SqlPolicyStore
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.routing.static import Router, StaticRouter
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_buckets import SharedRateLimiter
-from specgate.gateway.shared_limits import SharedTables, attached
 from specgate.gateway.telemetry.metrics import Metrics
-from specgate.gateway.telemetry.policy_store import MemoryPolicyStore, SqlPolicyStore
 from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord
 from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore

@@ -20,7 +20,7 @@ class WorkerContext:
     engine_socket: str | None = None  # Unix socket of the shared engine core; None: no embedded engine
     telemetry_socket: str | None = None  # Unix socket of the one telemetry writer; None: telemetry off
     metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported
-    shared_limits: Any = None  # the shared-memory limit tables (gateway/shared_limits.py), attached by name
+    shared_limits: Any = None  # the shared-memory limit tables (gateway/limits/shared.py), attached by name
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -34,7 +34,7 @@ class Proposal:
     # for a deterministic proposer (a point mass on each drafted token). In a tree, row i is the
     # law node i's token was drawn from given its siblings before it.
     probs: torch.Tensor | None = None
-    # A draft tree (engine/spec_decode/draft_tree.py): per node its parent node, -1 for a child of
+    # A draft tree (engine/draft_tree.py): per node its parent node, -1 for a child of
     # the root, in depth-first order with each node's best child first. None: a chain.
     parents: list[int] | None = None
     # Per node of a tree, the proposer's estimate that the target picks its token after its parent

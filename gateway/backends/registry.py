@@ -9,8 +9,8 @@ from typing import Any
 
 from specgate.gateway.backends.base import Backend
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
-from specgate.gateway.backends.openai_http import OpenAIBackend
-from specgate.gateway.backends.upstream_client import UpstreamClient
+from specgate.gateway.backends.upstream.backend import OpenAIBackend
+from specgate.gateway.backends.upstream.client import UpstreamClient
 from specgate.gateway.settings import Settings
 
 logger = logging.getLogger("specgate.gateway")

@@ -12,7 +12,7 @@ from typing import Any
 def cmd_build_dataset(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from specgate.policies import dataset
+    from specgate.policies.training import dataset
 
     rows = dataset.build(Path(args.source), seed=args.seed)
     out = Path(args.out) if args.out else dataset.DEFAULT_DATASET
@@ -25,9 +25,9 @@ def cmd_build_dataset(args: argparse.Namespace) -> int:
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> int:
-    from specgate.policies import dataset
     from specgate.policies.classifier import DEFAULT_ARTIFACT
-    from specgate.policies.classifier_training import train_and_save
+    from specgate.policies.training import dataset
+    from specgate.policies.training.classifier import train_and_save
 
     rows = dataset.load(Path(args.data) if args.data else dataset.DEFAULT_DATASET)
     out = Path(args.out) if args.out else DEFAULT_ARTIFACT

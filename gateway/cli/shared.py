@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from specgate.gateway.limits.shared import SharedLimits
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_limits import SharedLimits
 from specgate.gateway.telemetry.relay import RecordRelayServer
 from specgate.gateway.telemetry.store import TelemetryStore
 
@@ -41,7 +41,7 @@ def start_shared(settings: Settings, run_dir: str) -> tuple[str | None, Any, Cal
         closers.append(relay.close)
         telemetry_socket = relay.path
 
-    # HOOK (shared limits, gateway/shared_limits.py): one segment, created with the context the
+    # HOOK (shared limits, gateway/limits/shared.py): one segment, created with the context the
     # workers are spawned with (its lock can only travel in spawn arguments); unlinked at the end.
     limits = SharedLimits.create(settings, multiprocessing.get_context("spawn"))
     closers.append(limits.close)

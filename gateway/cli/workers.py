@@ -33,8 +33,8 @@ from specgate.gateway.backends.embedded.shared_core import SharedCore
 from specgate.gateway.cli.announce import announce
 from specgate.gateway.cli.shared import start_shared
 from specgate.gateway.cli.worker_process import WorkerOptions, run_worker
+from specgate.gateway.limits.shared import SharedLimits
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_limits import SharedLimits
 from specgate.gateway.telemetry.multiproc import MULTIPROC_ENV, forget_process
 from specgate.gateway.worker_context import WorkerContext
 

@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from specgate.gateway.http.auth import bearer_token, check_key, unauthorized
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.http.ui.signin_guard import SignInGuard
-from specgate.gateway.limits import Concurrency, too_many_in_flight
+from specgate.gateway.limits.limiters import Concurrency, too_many_in_flight
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.request.context import Caller
 from specgate.gateway.services import Services

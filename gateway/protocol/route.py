@@ -25,7 +25,7 @@ class RouteDecision:
     explored: bool = False
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)  # per arm, learned policies
     # The chance the policy had of taking the arm it took (None: no policy chose): logged for
-    # off-policy evaluation (policies/off_policy.py).
+    # off-policy evaluation (policies/training/off_policy.py).
     propensity: float | None = None
     # Replica affinity (routing/affinity.py): group, source, home, chosen; `hit` once served.
     affinity: dict[str, Any] | None = None

@@ -12,10 +12,10 @@ from typing import Any
 
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
+from specgate.gateway.policy.manager import PolicyManager
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing.affinity import Affinity
-from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.routing.request_info import request_info
 from specgate.gateway.routing.static import allowed_methods, candidate_backends, requested_spec
 from specgate.gateway.settings import Settings

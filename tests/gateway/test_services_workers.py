@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from specgate.gateway.limits.shared import SharedLimits
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_limits import SharedLimits
 from specgate.gateway.telemetry.relay import RecordRelayServer
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.telemetry.tables import requests

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgate.policies import dataset
 from specgate.policies.classes import WORKLOAD_CLASSES
 from specgate.policies.classifier import ScoreCache, WorkloadClassifier
-from specgate.policies.classifier_training import evaluate, fit, row_info, split_by_group
 from specgate.policies.features import structural
 from specgate.policies.request import HEAD_CHARS, TAIL_CHARS, RequestInfo
 from specgate.policies.text_model import LinearTextModel
+from specgate.policies.training import dataset
+from specgate.policies.training.classifier import evaluate, fit, row_info, split_by_group
 
 
 @pytest.fixture(scope="module")

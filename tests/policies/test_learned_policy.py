@@ -12,7 +12,7 @@ from specgate.policies.learned_policy import LearnedPolicy
 from specgate.policies.load import LoadSignals
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
-from specgate.policies.training import InsufficientData, retrain
+from specgate.policies.training.retrain import InsufficientData, retrain
 from tests.policies import synthetic_telemetry as synth
 
 ARMS = [Arm("embedded", "off"), Arm("embedded", "ngram")]

@@ -15,7 +15,7 @@ from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
 from specgate.policies.step_cost import StepCost, expected_accepted
-from specgate.policies.training import retrain
+from specgate.policies.training.retrain import retrain
 from tests.policies import synthetic_telemetry as synth
 
 ARMS = [Arm("embedded", "off"), Arm("embedded", "ngram")]

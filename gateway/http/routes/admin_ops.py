@@ -15,7 +15,7 @@ from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.services import Services
-from specgate.gateway.telemetry.stats import window_stats
+from specgate.gateway.telemetry.queries.stats import window_stats
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 

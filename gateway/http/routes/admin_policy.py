@@ -9,9 +9,9 @@ from fastapi import APIRouter, Path, Query, Request
 from specgate.gateway.http import body
 from specgate.gateway.http.deps import AdminDep, ServicesDep
 from specgate.gateway.http.openapi import json_body
+from specgate.gateway.policy.manager import PolicyManager
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.routing.policy_manager import PolicyManager
 from specgate.gateway.services import Services
 from specgate.policies.rules import RuleConfig
 

@@ -9,9 +9,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from specgate.gateway.http.deps import AdminDep, ServicesDep
+from specgate.gateway.policy.diff import diff
 from specgate.gateway.protocol.dashboard_schemas import PolicyDiff
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.routing.policy_diff import diff
 
 router = APIRouter(prefix="/admin/policy", tags=["admin"])
 

@@ -15,9 +15,9 @@ from specgate.gateway.http.deps import AdminDep, ServicesDep
 from specgate.gateway.protocol.dashboard_schemas import SpeculationSeries, TrafficSeries
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.services import Services
-from specgate.gateway.telemetry.series_window import MAX_POINTS, Grid
-from specgate.gateway.telemetry.spec_series import speculation
-from specgate.gateway.telemetry.traffic_series import choices, traffic
+from specgate.gateway.telemetry.queries.series_window import MAX_POINTS, Grid
+from specgate.gateway.telemetry.queries.spec_series import speculation
+from specgate.gateway.telemetry.queries.traffic_series import choices, traffic
 
 router = APIRouter(prefix="/admin/timeseries", tags=["admin"])
 

@@ -20,9 +20,9 @@ from starlette.responses import Response
 from specgate.gateway.http.auth import check_key
 from specgate.gateway.http.ui.session import COOKIE, CSRF_HEADER, Session, SessionSigner
 from specgate.gateway.http.ui.signin_guard import SignInGuard
+from specgate.gateway.limits.shared import SharedLimits, attached
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import Settings, UISettings
-from specgate.gateway.shared_limits import SharedLimits, attached
 from specgate.gateway.telemetry.revocations import SessionRevocations
 
 logger = logging.getLogger("specgate.gateway")

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from specgate.gateway.shared_buckets import SharedRevocations
+from specgate.gateway.limits.shared_buckets import SharedRevocations
 
 COOKIE = "specgate_admin"
 CSRF_HEADER = "x-csrf-token"

@@ -18,7 +18,7 @@ import math
 import time
 from collections import OrderedDict, deque
 
-from specgate.gateway.shared_buckets import SharedRateLimiter
+from specgate.gateway.limits.shared_buckets import SharedRateLimiter
 
 MAX_ADDRESSES = 65_536
 

@@ -20,8 +20,8 @@ from specgate.engine.model_runner import ModelRunner
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.embedded.chat_template import render_chat
-from specgate.policies import dataset
-from specgate.policies.classifier_training import split_by_group
+from specgate.policies.training import dataset
+from specgate.policies.training.classifier import split_by_group
 
 Progress = Callable[[int], None]
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from specgate.gateway.http.auth import client_address, limit_key, parse_networks
-from specgate.gateway.limits import RateLimiter
+from specgate.gateway.limits.limiters import RateLimiter
 from tests.gateway.live import LiveGateway, records_settle, start_gateway, tiny_settings
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -6,7 +6,7 @@ import pytest
 
 from specgate.gateway.http.auth import check_key
 from specgate.gateway.keyring import KeyIds
-from specgate.gateway.limits import RateLimiter
+from specgate.gateway.limits.limiters import RateLimiter
 from specgate.gateway.protocol.errors import GatewayError
 
 

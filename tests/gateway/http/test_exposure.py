@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specgate.gateway.backends.upstream_answers import client_message
+from specgate.gateway.backends.upstream.answers import client_message
 from specgate.gateway.http.auth import forwarded_scheme, parse_networks
 from specgate.gateway.settings import Settings
 from tests.gateway.live import start_gateway, tiny_settings, wait_for

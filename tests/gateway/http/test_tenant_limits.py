@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from specgate.gateway.limits import ConcurrencyLimiter
+from specgate.gateway.limits.limiters import ConcurrencyLimiter
 from specgate.gateway.settings import Settings
 from tests.gateway.live import LiveGateway, start_gateway, tiny_settings, wait_for
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from specgate.gateway.policy.store import SqlPolicyStore
 from specgate.gateway.telemetry import schema
-from specgate.gateway.telemetry.policy_store import SqlPolicyStore
 from tests.gateway.live import free_port
 from tests.gateway.pg import postgres_database
 from tests.policies import synthetic_telemetry as synth

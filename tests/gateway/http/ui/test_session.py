@@ -11,8 +11,8 @@ import pytest
 
 from specgate.gateway.http.ui.session import SessionSigner
 from specgate.gateway.http.ui.signin_guard import SignInGuard
+from specgate.gateway.limits.shared import SharedLimits
 from specgate.gateway.settings import Settings
-from specgate.gateway.shared_limits import SharedLimits
 
 
 def test_a_cookie_round_trips_and_any_other_key_refuses_it() -> None:
