@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="specgate-shots-"))
-    embedded: dict[str, Any] = {"engine_process": False}
+    embedded: dict[str, Any] = {}
     if args.model:
         embedded["model"] = args.model
     settings = Settings(

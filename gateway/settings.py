@@ -51,11 +51,6 @@ class EmbeddedSettings(BaseModel):
     seed: int = 0
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
-    # Run the engine in its own process (an engine core, as vLLM v1 does), so torch never competes
-    # with the event loop for this process's GIL: served latency then matches the engine's own.
-    # False: an engine thread in the gateway process (tests that reach into the engine use it).
-    # None: a process under `specgate serve`, a thread where an app is built in-process (create_app).
-    engine_process: bool | None = None
     # How requests speculate unless the routing policy or the request says otherwise: the engine's
     # own SpecParams (method, controller, k_min, k_max, num_speculative_tokens, acceptance_prior).
     spec: SpecParams = Field(default_factory=lambda: SpecParams(method="ngram"))
@@ -82,6 +77,18 @@ class EmbeddedSettings(BaseModel):
     # Per proposer, e.g. {"draft_model": {"model": "/path"}, "eagle": {"head": "/path"}}; the default
     # model's EAGLE head ships with specgate.
     proposer_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_engine_process(cls, data: Any) -> Any:
+        # A removed key is named with its replacement, not refused as merely unknown.
+        if isinstance(data, dict) and "engine_process" in data:
+            raise ValueError(
+                "embedded.engine_process is not a setting (remove it): `specgate serve` runs the engine "
+                "in its shared engine core process, `specgate serve --engine-thread` in a thread of one "
+                "gateway process, as an app built by create_app does"
+            )
+        return data
 
     def engine_config(self, cache_dir: str | None = None) -> EngineConfig:
         """The engine's config: every EngineConfig field these settings name (and `threads` as

@@ -61,7 +61,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--engine-thread",
         action="store_true",
-        help="run the embedded engine in a thread of the server, not its own process",
+        help="run the embedded engine in a thread of one gateway process, not in the shared engine core",
     )
     serve.add_argument(
         "--workers",
@@ -102,10 +102,8 @@ def serve_settings(args: argparse.Namespace) -> Settings:
         }.items()
         if v is not None
     }
-    if args.engine_thread:
-        embedded["engine_process"] = False
-    elif settings.embedded.engine_process is None:
-        embedded["engine_process"] = True  # serving: the engine in its own process unless configured
+    if args.engine_thread and settings.workers > 1 and settings.embedded.enabled:
+        raise ValueError("--workers shares one engine core between the workers; drop --engine-thread")
     if embedded:
         settings.embedded = settings.embedded.model_copy(update=embedded)
     if args.api_key or args.api_key_file:
@@ -131,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Served by a supervisor and its workers (one by default): the telemetry writer then runs in
     # the supervisor, off the GIL of the process that serves requests (its batch inserts held that
     # GIL for ~10 ms every 0.2 s: the p99 of a proxied request). --engine-thread keeps one process.
-    supervised = settings.workers > 1 or settings.embedded.engine_process is not False
+    supervised = settings.workers > 1 or not args.engine_thread
     if settings.telemetry.enabled:
         preflight_schema(settings, upgrade=supervised)
     if supervised:

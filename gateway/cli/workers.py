@@ -2,7 +2,7 @@
 
 The supervisor binds the listening socket once and spawns the workers on it (worker_process.py);
 it starts once what they share: a private run directory (removed at exit) holding the engine core's
-Unix socket and the Prometheus multiprocess directory, the engine core (shared_core.py), and the
+Unix socket and the Prometheus multiprocess directory, the engine core (engine_core/process.py), and the
 telemetry writer and limit tables (shared.py). The telemetry schema is checked (and, where that is
 the configuration, upgraded) here once, so that N workers do not race through one upgrade.
 
@@ -14,6 +14,7 @@ workers gracefully (uvicorn's shutdown: in-flight requests finish), then the cor
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -28,11 +29,10 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from specgate.gateway.backends.embedded.core import LogSettings
-from specgate.gateway.backends.embedded.shared_core import SharedCore
 from specgate.gateway.cli.announce import announce
 from specgate.gateway.cli.shared import start_shared
 from specgate.gateway.cli.worker_process import WorkerOptions, run_worker
+from specgate.gateway.engine_core.process import CoreProcess, LogSettings
 from specgate.gateway.limits.shared import SharedLimits
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.multiproc import MULTIPROC_ENV, forget_process
@@ -71,13 +71,11 @@ class Slot:
 
 class WorkerSupervisor:
     def __init__(self, settings: Settings, options: WorkerOptions) -> None:
-        if settings.embedded.enabled and settings.embedded.engine_process is False:
-            raise ValueError("--workers shares one engine core between the workers; drop --engine-thread")
         self.settings, self.options = settings, options
         self._spawn = multiprocessing.get_context("spawn")
         self._stopping = False
         self._slots = [Slot(i) for i in range(settings.workers)]
-        self._core: SharedCore | None = None
+        self._core: CoreProcess | None = None
         self._core_restarts = Restarts()
         self._lifeline: Connection | None = None  # our end; closed, it tells orphaned workers to stop
 
@@ -111,8 +109,9 @@ class WorkerSupervisor:
             if s.embedded.enabled:
                 engine_socket = os.path.join(run_dir, "engine.sock")
                 listener = bind_unix(engine_socket)
-                config = s.embedded.engine_config(self.options.cache_dir)
-                self._core = SharedCore(listener, config, LogSettings.current())
+                # Built in the core (EngineConfig imports torch, which this process never does).
+                make_config = functools.partial(s.embedded.engine_config, self.options.cache_dir)
+                self._core = CoreProcess(listener, make_config, LogSettings.current())
                 self._start_core()
             n = s.workers
 
@@ -215,7 +214,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 def bind_unix(path: str) -> socket.socket:
     """The engine core's socket, readable and writable by this user only (the core also checks
-    each peer's uid: hub.py)."""
+    each peer's uid: engine_core/sockets.py)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # no moment at which the socket exists with looser modes
     try:

@@ -2,7 +2,7 @@
 
 `build(source)` reads the verbatim copies in `source` (Spec-Bench, HumanEval, GSM8K, BFCL; see
 their licenses beside `policies/data/`) and adds phrasing variants made by this project
-(`policies.synthetic`): the public sets phrase each class one way ("Translate German to English:",
+(`synthetic.py`): the public sets phrase each class one way ("Translate German to English:",
 "Summarize:"), and a classifier trained on them alone learns the prefix, not the workload.
 Every row carries a `group`: variants of one source item share it, so a held-out split by group
 never tests on a rephrasing of a training prompt.

@@ -47,6 +47,13 @@ def test_config_files(tmp_path: Path, suffix: str) -> None:
     assert s.routes["m1"].backends == ["vllm", "embedded"] and s.routes["m1"].spec.k_max == 4  # type: ignore[union-attr]
 
 
+def test_the_engine_process_key_is_refused_with_what_replaces_it(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.toml"
+    path.write_text("[embedded]\nengine_process = false\n")
+    with pytest.raises(ValidationError, match=r"engine_process is not a setting.*--engine-thread"):
+        Settings.load(path)
+
+
 def test_env_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"port": 9001, "embedded": {"dtype": "bfloat16"}}))

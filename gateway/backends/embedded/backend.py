@@ -8,26 +8,24 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specgate.engine.config import EngineConfig
-from specgate.engine.engine import Engine
-from specgate.engine.loader import resolve_model
+from specgate.engine.model_source import resolve_model
 from specgate.engine.outputs import RequestOutput
 from specgate.engine.spec_decode.params import SpecParams
-from specgate.engine.spec_decode.proposers import proposer_factory
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chunks import ChunkWriter, final_body
-from specgate.gateway.backends.embedded.client import connect
-from specgate.gateway.backends.embedded.handle import EngineHandle
-from specgate.gateway.backends.embedded.messages import EngineUnavailable
-from specgate.gateway.backends.embedded.model_info import ModelInfo
-from specgate.gateway.backends.embedded.process import EngineProcess
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
-from specgate.gateway.backends.embedded.worker import EngineWorker
+from specgate.gateway.engine_core.client import EngineCoreClient, InprocClient, connect, start_in_process
+from specgate.gateway.engine_core.messages import EngineUnavailable
+from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol import openai_format as fmt
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import EmbeddedSettings
+
+if TYPE_CHECKING:  # torch: imported where an engine is built (this process's own, or the core's)
+    from specgate.engine.config import EngineConfig
+    from specgate.engine.engine import Engine
 
 logger = logging.getLogger("specgate.embedded")
 TOKENIZE_OFF_LOOP_CHARS = 8192  # bigger requests are rendered and tokenized in a worker thread
@@ -38,20 +36,20 @@ class EmbeddedBackend:
         self, settings: EmbeddedSettings, cache_dir: str | None = None, engine_socket: str | None = None
     ) -> None:
         self.settings = settings
-        # Set in a worker of `serve --workers N`: the shared engine core's socket (EngineClient);
-        # that core is the supervisor's to start and restart, so this backend only reconnects.
+        # Set in a worker of `specgate serve`: the shared engine core's socket (SocketClient); that
+        # core is the supervisor's to start and restart, so this backend only reconnects. None: the
+        # engine core runs on a thread of this process (InprocClient).
         self.engine_socket = engine_socket
         self.name = settings.name
         self.external = False
         self._cache_dir = settings.convert_cache_dir or cache_dir
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
         self.served_name = settings.served_model_name or source.name
-        # The engine's owner: a thread here (EngineWorker), an engine-core process (EngineProcess),
-        # or a connection to the core shared by the workers of `serve --workers N` (EngineClient).
-        self.worker: EngineHandle | None = None
+        # The client of the engine core: on a thread here, or shared by the workers of `serve`.
+        self.worker: EngineCoreClient | None = None
         self.model: ModelInfo | None = None  # what requests are validated and tokenized against
         self.load_error: str | None = None
-        self.restarts = 0  # engine threads / processes replaced after they ended on their own
+        self.restarts = 0  # engine threads replaced, or core connections remade, after they ended
         self._loading: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
@@ -62,8 +60,8 @@ class EmbeddedBackend:
 
     @property
     def engine(self) -> Engine | None:
-        """The engine object, in thread mode only (in process mode it lives in another process)."""
-        return self.worker.engine if isinstance(self.worker, EngineWorker) else None
+        """The engine object, in process only (the shared core's lives in another process)."""
+        return self.worker.engine if isinstance(self.worker, InprocClient) else None
 
     def model_ids(self) -> list[str]:
         return [self.served_name, *self.settings.aliases]
@@ -98,6 +96,8 @@ class EmbeddedBackend:
 
     def _build(self) -> Engine:
         """A fresh engine (first load, and every rebuild after the old one broke)."""
+        from specgate.engine.engine import Engine  # torch: only where the engine runs in process
+
         return Engine(self._config())
 
     async def _load(self) -> None:
@@ -109,30 +109,19 @@ class EmbeddedBackend:
             return
         self._watchdog = asyncio.create_task(self._watch())
         assert self.model is not None
-        cfg, where = self.model.config, "process" if self.settings.engine_process else "thread"
-        where = "shared core" if self.engine_socket is not None else where
+        info, where = self.model, "shared core" if self.engine_socket is not None else "own thread"
         logger.info(
-            "embedded engine ready: %s (%s on %s, own %s)", self.served_name, cfg.dtype, cfg.device, where
+            "embedded engine ready: %s (%s on %s, %s)", self.served_name, info.dtype, info.device, where
         )
 
-    async def _start_worker(self) -> EngineHandle:
-        """A new engine owner, its engine loaded (first start, and every restart after one ended)."""
+    async def _start_worker(self) -> EngineCoreClient:
+        """A client of a loaded engine core (first start, and every restart after one ended)."""
         loop = asyncio.get_running_loop()
-        worker: EngineHandle
+        worker: EngineCoreClient
         if self.engine_socket is not None:
             worker, info = await connect(self.engine_socket, loop)
-        elif self.settings.engine_process:
-            worker = EngineProcess(self._config(), loop)
-            try:
-                info = await worker.start()
-            except BaseException:
-                await worker.close()
-                raise
         else:
-            engine = await asyncio.to_thread(self._build)
-            info = await asyncio.to_thread(ModelInfo.of, engine)
-            worker = EngineWorker(engine, loop, self._build)
-            worker.start()
+            worker, info = await start_in_process(self._build, loop)
         self.model, self.methods = info, info.methods
         # One cache per model load: logprobs name the same tokens request after request.
         tokenizer = info.tokenizer
@@ -140,16 +129,16 @@ class EmbeddedBackend:
         return worker
 
     async def _watch(self, interval: float = 0.5) -> None:
-        """If the engine's owner (thread or process) ever ends on its own, fail its waiters
-        (retryable) and start another; a start that fails is retried with backoff. With a shared
-        core, "start another" is connecting again (the supervisor restarts the core itself)."""
+        """If the engine core's thread, or the connection to the shared core, ever ends on its own,
+        fail its waiters (retryable) and start another; a start that fails is retried with backoff.
+        With a shared core, "start another" is connecting again (the supervisor restarts the core)."""
         backoff = 1.0
         while not self._closing:
             await asyncio.sleep(interval)
             w = self.worker
             if w is None or w.alive or self._closing:
                 continue
-            logger.error("the embedded engine's owner ended; starting a new one")
+            logger.error("the embedded engine core ended; starting a new one")
             w.fail_waiters(EngineUnavailable("the embedded engine restarted"))
             try:
                 worker = await self._start_worker()
@@ -166,7 +155,7 @@ class EmbeddedBackend:
 
     async def close(self) -> None:
         self._closing = True
-        # A start in progress is abandoned (an engine-core process being started is stopped).
+        # A start in progress is abandoned (a connection being made to the shared core is closed).
         for task in (self._watchdog, self._loading):
             if task is not None and not task.done():
                 task.cancel()
@@ -176,7 +165,7 @@ class EmbeddedBackend:
 
     # ---- serving ------------------------------------------------------------------------------
 
-    def _ready_worker(self, tenant: str = "") -> EngineHandle:
+    def _ready_worker(self, tenant: str = "") -> EngineCoreClient:
         w = self.worker
         if w is None or not w.ready:
             if w is not None:
@@ -192,7 +181,7 @@ class EmbeddedBackend:
             )
         return w
 
-    def _under_fair_share(self, w: EngineHandle, tenant: str) -> bool:
+    def _under_fair_share(self, w: EngineCoreClient, tenant: str) -> bool:
         """Whether a full queue still takes this tenant's request: it holds less than an equal share
         of the engine (batch slots and queue) among the tenants with requests in it. One tenant
         cannot fill the queue for everyone else; the queue then grows at most to twice its size."""
@@ -229,15 +218,14 @@ class EmbeddedBackend:
         )
         return prep, q
 
-    @staticmethod
-    def _spec_params(call: BackendCall) -> SpecParams | None:
+    def _spec_params(self, call: BackendCall) -> SpecParams | None:
         s = call.spec
         if s is None or s.method == "off":
             return None
-        try:
-            proposer_factory(s.method)
-        except ValueError as exc:
-            raise GatewayError(400, str(exc), code="invalid_spec_method", param="spec.method") from exc
+        known = self.model.known_methods if self.model is not None else []
+        if s.method not in known:
+            msg = f"unknown speculation method {s.method!r}; known: off, {', '.join(known)}"
+            raise GatewayError(400, msg, code="invalid_spec_method", param="spec.method")
         return s
 
     async def _outputs(self, call: BackendCall, q: asyncio.Queue[Any]) -> AsyncGenerator[RequestOutput, None]:

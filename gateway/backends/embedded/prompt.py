@@ -13,7 +13,7 @@ from typing import Any
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
-from specgate.gateway.backends.embedded.model_info import ModelInfo
+from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 

@@ -31,3 +31,11 @@ def cmdline(pid: int) -> bytes:
 def gone(pid: int) -> bool:
     """Exited (a zombie, whose command line is empty, counts: it runs nothing any more)."""
     return not Path(f"/proc/{pid}").exists() or cmdline(pid) == b""
+
+
+def maps_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped (it imported torch)."""
+    try:
+        return b"libtorch" in Path(f"/proc/{pid}/maps").read_bytes()
+    except OSError:
+        return False

@@ -27,9 +27,8 @@ import pytest
 
 from specgate.gateway.cli.main import build_parser, main
 from specgate.gateway.cli.serve import serve_settings
-from specgate.gateway.cli.worker_process import WorkerOptions
-from specgate.gateway.cli.workers import MAX_BACKOFF, STABLE_AFTER, Restarts, WorkerSupervisor
-from tests.gateway.cli.procs import children, cmdline, gone
+from specgate.gateway.cli.workers import MAX_BACKOFF, STABLE_AFTER, Restarts
+from tests.gateway.cli.procs import children, cmdline, gone, maps_torch
 from tests.gateway.fake_upstream import FakeUpstream, metric_value
 from tests.gateway.live import free_port, wait_for, wait_until_ready
 
@@ -98,9 +97,8 @@ def test_the_workers_flag_and_setting(
 
 
 def test_one_engine_core_is_shared_so_an_engine_thread_is_refused() -> None:
-    settings = serve_settings(build_parser().parse_args(["serve", "--workers", "2", "--engine-thread"]))
     with pytest.raises(ValueError, match="--engine-thread"):
-        WorkerSupervisor(settings, WorkerOptions("/tmp"))
+        serve_settings(build_parser().parse_args(["serve", "--workers", "2", "--engine-thread"]))
 
 
 def test_a_child_that_keeps_dying_waits_longer_each_time() -> None:
@@ -186,6 +184,14 @@ def test_both_workers_serve_and_the_shared_engine_answers_as_one_process_does(
     # Whichever worker answers /metrics counts both workers' requests (settled just after the answer).
     assert wait_for(lambda: fleet.requests_counted() == total, 10), fleet.requests_counted()
     assert fleet.requests_counted() == total
+
+
+def test_only_the_engine_core_loads_torch(fleet: Fleet) -> None:
+    """The supervisor and the workers serve without torch (about 0.3 GB of RSS each): the core owns it."""
+    core = fleet.core_pid()
+    assert core is not None and len(fleet.seen) == 2
+    assert maps_torch(core)
+    assert not any(maps_torch(pid) for pid in (fleet.proc.pid, *fleet.seen))
 
 
 def test_a_killed_core_is_a_retryable_503_and_the_workers_reconnect(fleet: Fleet) -> None:

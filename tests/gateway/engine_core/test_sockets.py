@@ -1,9 +1,10 @@
-"""The shared engine core's protocol, in one process: a `CoreHub` and the supervised step loop on a
-thread over the tiny engine, and `EngineClient`s on the event loop, as the workers of `serve
---workers N` would hold them. Each connection gets its model on connect and only its own requests'
+"""The shared engine core's protocol, in one process: an `EngineCore` loop over `SocketConnections` on a
+thread with the tiny engine, and `SocketClient`s on the event loop, as the workers of `specgate serve`
+hold them. Each connection gets its model on connect and only its own requests'
 outputs (greedy, token for token what the engine alone answers); a connection that closes has its
 requests aborted while the other's go on; a stopped core costs the waiters a retryable error; and
-`connect` waits for a core that is not there yet. The real processes are tests/gateway/cli/test_workers.py."""
+`connect` waits for a core that is not there yet; the socket is this user's alone. The core as a
+process is test_process.py; the whole of `serve`, tests/gateway/cli/test_workers.py."""
 
 from __future__ import annotations
 
@@ -11,22 +12,25 @@ import asyncio
 import multiprocessing
 import os
 import socket
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.gateway.backends.embedded.client import EngineClient, EngineLoadFailed, connect
-from specgate.gateway.backends.embedded.hub import CoreHub
-from specgate.gateway.backends.embedded.messages import EngineUnavailable, LoadFailed
-from specgate.gateway.backends.embedded.model_info import ModelInfo
-from specgate.gateway.backends.embedded.supervisor import EngineSupervisor
+from specgate.gateway.cli.workers import bind_unix
+from specgate.gateway.engine_core.client import EngineLoadFailed, SocketClient, connect
+from specgate.gateway.engine_core.core import EngineCore
+from specgate.gateway.engine_core.messages import EngineUnavailable, LoadFailed
+from specgate.gateway.engine_core.model_info import ModelInfo
+from specgate.gateway.engine_core.sockets import SocketConnections, same_user
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -37,7 +41,7 @@ LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 class Core:
     path: str
     engine: Engine
-    hub: CoreHub
+    hub: SocketConnections
     control: Connection  # the supervisor's end
     thread: threading.Thread
 
@@ -65,11 +69,11 @@ def core(make_engine: Callable[..., Engine], sock_dir: str) -> Iterator[Core]:
     engine = make_engine()
     path = os.path.join(sock_dir, "engine.sock")
     reader, writer = multiprocessing.Pipe(duplex=False)
-    hub = CoreHub(_listen(path), reader, ModelInfo.of(engine))
+    hub = SocketConnections(_listen(path), reader, ModelInfo.of(engine))
 
     def run() -> None:
         try:
-            EngineSupervisor(engine, None, hub, hub.publish).run()
+            EngineCore(engine, None, hub).run()
         finally:
             hub.close()
 
@@ -175,7 +179,7 @@ def test_connect_waits_for_a_core_and_stops_at_one_that_cannot_load(sock_dir: st
         await asyncio.sleep(0.2)  # no socket yet: it retries
         assert not waiting.done()
         reader, writer = multiprocessing.Pipe(duplex=False)
-        hub = CoreHub(_listen(path), reader, LoadFailed("no weights"))
+        hub = SocketConnections(_listen(path), reader, LoadFailed("no weights"))
         polling = asyncio.to_thread(lambda: [hub.get(0.05) for _ in range(40)])  # the core's loop
         with pytest.raises(EngineLoadFailed, match="no weights"):
             await asyncio.gather(asyncio.wait_for(waiting, 10), polling)
@@ -193,10 +197,54 @@ def test_the_supervisor_gone_stops_the_core(core: Core) -> None:
 
 def test_a_client_that_never_started_is_not_alive() -> None:
     async def run() -> None:
-        client = EngineClient("/nonexistent/engine.sock", asyncio.get_running_loop())
+        client = SocketClient("/nonexistent/engine.sock", asyncio.get_running_loop())
         assert not client.alive
         with pytest.raises(OSError):
             await client.start()
         await client.close()
 
     asyncio.run(run())
+
+
+def test_the_core_socket_is_private_and_refuses_other_users(tmp_path: Path) -> None:
+    path = str(tmp_path / "engine.sock")
+    listener = bind_unix(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)
+        conn, _ = listener.accept()
+        assert same_user(conn)  # the same uid: accepted
+        conn.close()
+        client.close()
+    finally:
+        listener.close()
+    if os.getuid() != 0:
+        return  # only root can make a connection from another uid to check the second guard
+    # With the file's mode opened up, a process of another user reaches the socket: its uid says no.
+    where = tempfile.mkdtemp()  # under /tmp: a directory the other user can pass through
+    os.chmod(where, 0o755)
+    open_path = os.path.join(where, "open.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(open_path)
+    os.chmod(open_path, 0o777)
+    listener.listen(1)
+    listener.settimeout(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child only drops its uid and connects)
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(open_path)
+            s.recv(1)
+        finally:
+            os._exit(0)
+    try:
+        conn, _ = listener.accept()
+        assert not same_user(conn)
+        conn.close()
+    finally:
+        os.waitpid(pid, 0)
+        listener.close()
+        os.unlink(open_path)
+        os.rmdir(where)

@@ -1,5 +1,6 @@
-"""The engine thread is supervised: a broken engine is rebuilt, a dead thread replaced, and /readyz
-says what is going on meanwhile. Never a permanent 503."""
+"""The engine core on a thread of the gateway (`InprocClient`) is supervised: a broken engine is
+rebuilt, a dead thread replaced by the backend's watchdog, and /readyz says what is going on
+meanwhile. Never a permanent 503."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
-from specgate.gateway.backends.embedded.worker import EngineWorker
+from specgate.gateway.engine_core.client import InprocClient
 from tests.gateway.live import (
     ADMIN_HEADERS,
     TEST_ADMIN_KEY,
@@ -38,7 +39,7 @@ def _chat(live: LiveGateway, model: str) -> httpx.Response:
 
 def _embedded(live: LiveGateway) -> EmbeddedBackend:
     backend = live.services.registry.embedded
-    assert backend is not None and isinstance(backend.worker, EngineWorker)  # thread mode: faults injected
+    assert backend is not None and isinstance(backend.worker, InprocClient)  # thread mode: faults injected
     return backend
 
 
@@ -46,20 +47,20 @@ def test_a_broken_engine_is_rebuilt_and_readyz_says_so(live: LiveGateway, tiny_l
     model = tiny_llama_dir.name
     backend = _embedded(live)
     worker = backend.worker
-    assert isinstance(worker, EngineWorker)
+    assert isinstance(worker, InprocClient)
 
     def broken(*_: object) -> None:
         raise RuntimeError("device lost")
 
     worker.engine.runner.execute_with_hidden = broken  # type: ignore[method-assign]
-    build = worker.supervisor.factory
+    build = worker.core.factory
     assert build is not None
 
     def slow_build():  # type: ignore[no-untyped-def]
         time.sleep(1.5)  # long enough to see the rebuild from outside
         return build()
 
-    worker.supervisor.factory = slow_build
+    worker.core.factory = slow_build
     failures = [_chat(live, model) for _ in range(3)]  # each step fails: the engine is judged broken
     assert all(r.status_code in (500, 503) for r in failures)
     assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in failures)
@@ -79,12 +80,12 @@ def test_a_dead_engine_thread_is_replaced(live: LiveGateway, tiny_llama_dir: Pat
     model = tiny_llama_dir.name
     backend = _embedded(live)
     old = backend.worker
-    assert isinstance(old, EngineWorker)
+    assert isinstance(old, InprocClient)
 
     def die(*_: object) -> None:
         raise SystemExit("the thread ends")  # not an Exception: the loop's own guard lets it through
 
-    old.supervisor._step = die  # type: ignore[method-assign]
+    old.core._step = die  # type: ignore[method-assign]
     first = _chat(live, model)
     assert first.status_code == 503 and first.json()["error"]["code"] in (
         "engine_restarting",

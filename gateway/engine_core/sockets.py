@@ -1,18 +1,19 @@
-"""The shared engine core's side of its connections (`specgate serve --workers N`): one engine, one
-Unix socket, one connection per gateway worker.
+"""The shared engine core's connections (`specgate serve`): one Unix socket, one connection per
+gateway worker, all served by one `EngineCore` loop.
 
-`CoreHub` is both the `Inbox` and the publisher of the `EngineSupervisor` that owns the engine. It
-never blocks a step: between steps it reads whatever the connections have sent (`get(None)`), and
-it waits only when the engine is idle (`get(timeout)`), on every socket at once. Each connection's
-request ids are prefixed with the connection's serial inside the engine, so ids are unique by
-construction however the workers make theirs, and each step's `Batch` is split so that a connection
-gets only its own requests' outputs (and every connection the engine's load). A connection that
-closes (its worker exited or was killed) aborts its requests; the core goes on. The supervisor
-process's control pipe says when to stop; its end closing (the supervisor is gone) says so too.
+`SocketConnections` is the core's `Connections`: it never blocks a step. Between steps it reads
+whatever the connections have sent (`get(None)`), and it waits only when the engine is idle
+(`get(timeout)`), on every socket at once. Each connection's request ids are prefixed with the
+connection's serial inside the engine, so ids are unique by construction however the workers make
+theirs, and each step's `Batch` is split so that a connection gets only its own requests' outputs
+(and every connection the engine's load). A connection that closes (its worker exited or was
+killed) aborts its requests; the core goes on. The serve supervisor's control pipe says when to
+stop; its end closing (the supervisor is gone) says so too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -25,8 +26,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from specgate.engine.outputs import RequestOutput
-from specgate.gateway.backends.embedded.channel import READ_SIZE, Frames, FrameTooLarge, frame
-from specgate.gateway.backends.embedded.messages import Batch, Command, Item, Submission
+from specgate.gateway.engine_core.channel import READ_SIZE, Frames, FrameTooLarge, frame
+from specgate.gateway.engine_core.messages import (
+    AbortRequest,
+    AddRequest,
+    Batch,
+    Item,
+    LoadFailed,
+    Request,
+    Shutdown,
+)
+from specgate.gateway.engine_core.model_info import ModelInfo
 
 logger = logging.getLogger("specgate.engine_core")
 MAX_BACKLOG = 256 * 2**20  # bytes a worker may leave unread before it is judged stuck and dropped
@@ -57,9 +67,9 @@ def same_user(sock: socket.socket) -> bool:
     return bool(uid == os.getuid())
 
 
-class CoreHub:
-    def __init__(self, listener: socket.socket, control: Connection, hello: Any) -> None:
-        self._hello = hello  # ModelInfo (or LoadFailed), sent to each connection as it is accepted
+class SocketConnections:
+    def __init__(self, listener: socket.socket, control: Connection, hello: ModelInfo | LoadFailed) -> None:
+        self._hello = hello  # sent to each connection as it is accepted
         self._listener = listener
         self._control: Connection | None = control
         listener.setblocking(False)
@@ -68,27 +78,27 @@ class CoreHub:
         self._sel.register(control, selectors.EVENT_READ, _CONTROL)
         self._conns: dict[int, _Conn] = {}
         self._serials = itertools.count(1)
-        self._inbox: deque[tuple[_Conn | None, Command]] = deque()
+        self._inbox: deque[tuple[_Conn | None, Request]] = deque()
 
     @property
     def connections(self) -> int:
         return len(self._conns)
 
-    # ---- the supervisor's inbox -----------------------------------------------------------------
+    # ---- what the core reads --------------------------------------------------------------------
 
-    def get(self, timeout: float | None) -> Command | None:
-        """The next command from any connection (or the control pipe), waiting up to `timeout`."""
+    def get(self, timeout: float | None) -> Request | None:
+        """The next request from any connection (or the control pipe), waiting up to `timeout`."""
         if not self._inbox:
             self._poll(timeout or 0.0)
         while self._inbox:
-            conn, command = self._inbox.popleft()
+            conn, request = self._inbox.popleft()
             if conn is None:
-                return command
+                return request
             if conn.serial not in self._conns:
                 continue  # its worker is gone; its aborts are already queued
-            if command[0] == "add":
+            if isinstance(request, AddRequest):
                 conn.taken += 1
-            return command
+            return request
         return None
 
     def _poll(self, timeout: float) -> None:
@@ -130,7 +140,7 @@ class CoreHub:
         self._sel.unregister(self._control)
         self._control.close()
         self._control = None
-        self._inbox.append((None, ("stop", None)))
+        self._inbox.append((None, Shutdown()))
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -143,28 +153,26 @@ class CoreHub:
             self._drop(conn, "closed its connection")
             return
         try:
-            commands = conn.frames.feed(data)
+            messages = conn.frames.feed(data)
         except FrameTooLarge as exc:
             self._drop(conn, f"sent {exc}")
             return
-        for command in commands:
-            if not (isinstance(command, tuple) and len(command) == 2):
-                self._drop(conn, "sent a malformed command")
-                return
-            kind, arg = command
-            if kind == "add" and not isinstance(arg, Submission):
-                self._drop(conn, "sent a malformed submission")
-                return
-            if kind == "add":
-                arg.request_id = conn.engine_id(arg.request_id)
-                conn.owned.add(arg.request_id)
-                self._inbox.append((conn, ("add", arg)))
-            elif kind == "abort":
-                request_id = conn.engine_id(arg)
-                if request_id in conn.owned:
-                    conn.owned.discard(request_id)
-                    self._inbox.append((conn, ("abort", request_id)))
-            # "stop" from a worker is ignored: the core is shared; only the supervisor stops it.
+        for message in messages:
+            match message:
+                case AddRequest(request_id=request_id):
+                    add = dataclasses.replace(message, request_id=conn.engine_id(request_id))
+                    conn.owned.add(add.request_id)
+                    self._inbox.append((conn, add))
+                case AbortRequest(request_id=request_id):
+                    engine_id = conn.engine_id(request_id)
+                    if engine_id in conn.owned:
+                        conn.owned.discard(engine_id)
+                        self._inbox.append((conn, AbortRequest(engine_id)))
+                case Shutdown():
+                    pass  # the core is shared: only the supervisor stops it
+                case _:
+                    self._drop(conn, f"sent a malformed request ({type(message).__name__})")
+                    return
 
     def _drop(self, conn: _Conn, why: str) -> None:
         """A worker is gone: its requests are aborted (their KV blocks freed), the core goes on."""
@@ -173,7 +181,7 @@ class CoreHub:
         self._sel.unregister(conn.sock)
         conn.sock.close()
         for request_id in conn.owned:
-            self._inbox.append((None, ("abort", request_id)))
+            self._inbox.append((None, AbortRequest(request_id)))
         logger.warning(
             "a gateway worker %s; %d of its requests aborted (%d connected)",
             why,
@@ -182,7 +190,7 @@ class CoreHub:
         )
         conn.owned.clear()
 
-    # ---- the supervisor's publisher -------------------------------------------------------------
+    # ---- what the core publishes ----------------------------------------------------------------
 
     def publish(self, batch: Batch) -> None:
         """Each connection gets its own requests' outputs, its own count of taken submissions, and

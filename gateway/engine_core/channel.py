@@ -1,9 +1,9 @@
-"""Pickled messages over a socket pair between the gateway and its engine-core process.
+"""Pickled messages over a Unix socket between a gateway worker and the shared engine core.
 
-Each message is one frame: an 8-byte length, then the pickle. The engine core's end blocks (it has
-nothing else to do while it waits for work). The gateway's end never blocks: the event loop reads
-whatever has arrived when the socket is readable (`add_reader`), and a send the socket cannot take
-at once is buffered and finished when it is writable (`add_writer`).
+Each message is one frame: an 8-byte length, then the pickle. Neither end ever blocks: the core
+reads and writes between steps (`sockets.py`); the client's end (`AsyncChannel`) reads on the event
+loop whatever has arrived when the socket is readable (`add_reader`), and a send the socket cannot
+take at once is buffered and finished when it is writable (`add_writer`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import select
 import socket
 import struct
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -59,36 +57,8 @@ class Frames:
         return out
 
 
-class Channel:
-    """The engine core's end (blocking)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        self._sock = sock
-        self._frames = Frames()
-        self._inbox: deque[Any] = deque()
-
-    def send(self, message: Any) -> None:
-        self._sock.sendall(frame(message))
-
-    def get(self, timeout: float | None) -> Any | None:
-        """The next message, waiting up to `timeout` seconds (None: not at all); None when no whole
-        message came. EOFError when the gateway's end is closed (the gateway is gone)."""
-        if not self._inbox:
-            readable, _, _ = select.select([self._sock], [], [], timeout or 0)
-            if readable:
-                data = self._sock.recv(READ_SIZE)
-                if not data:
-                    raise EOFError("the gateway closed its end")
-                try:
-                    self._inbox.extend(self._frames.feed(data))
-                except FrameTooLarge as exc:
-                    raise EOFError(f"the gateway sent {exc}") from None
-        return self._inbox.popleft() if self._inbox else None
-
-
 class AsyncChannel:
-    """The gateway's end: never blocks the event loop. `on_message` gets each message, `on_eof`
+    """The client's end: never blocks the event loop. `on_message` gets each message, `on_eof`
     is called once when the engine core's end is closed (it exited, or was killed)."""
 
     def __init__(

@@ -1,10 +1,11 @@
-"""The one engine core of `specgate serve --workers N`, and the supervisor's handle on it.
+"""The shared engine core of `specgate serve`: the process that owns torch and the engine for every
+gateway worker, and the serve supervisor's handle on it (`CoreProcess`).
 
 The supervisor binds the Unix socket itself and hands it to each core it starts, so the socket
 outlives any one core: a worker that reconnects while a core is being restarted waits in the
 listen backlog until the new core accepts it, instead of finding no socket there. The core builds
-the engine from a picklable `EngineConfig`, then serves every connection through `CoreHub` with the
-same supervised step loop as the single-gateway core (`core.py`). An engine that cannot load is
+the engine from its config (made in the core: the supervisor never imports torch), then serves
+every connection with one `EngineCore` loop over `SocketConnections`. An engine that cannot load is
 reported to each worker that connects (`LoadFailed`: they say "failed to load", as one process
 would) until the supervisor stops the core. The control pipe is one-way, supervisor to core: a
 message, or its end closing (the supervisor died), stops the core.
@@ -17,52 +18,87 @@ import logging
 import multiprocessing
 import signal
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
-from specgate.engine.config import EngineConfig
-from specgate.engine.engine import Engine
-from specgate.gateway.backends.embedded.core import LogSettings
-from specgate.gateway.backends.embedded.hub import CoreHub
-from specgate.gateway.backends.embedded.messages import LoadFailed
-from specgate.gateway.backends.embedded.model_info import ModelInfo
-from specgate.gateway.backends.embedded.supervisor import EngineSupervisor
+from specgate.gateway.engine_core.core import EngineCore
+from specgate.gateway.engine_core.messages import LoadFailed, Shutdown
+from specgate.gateway.engine_core.model_info import ModelInfo
+from specgate.gateway.engine_core.sockets import SocketConnections
 from specgate.gateway.proc_title import name_process
+
+if TYPE_CHECKING:
+    from specgate.engine.config import EngineConfig
 
 logger = logging.getLogger("specgate.engine_core")
 
 
-def run_shared_core(
-    listener: socket.socket, control: Connection, config: EngineConfig, log: LogSettings
+@dataclass(frozen=True, slots=True)
+class LogSettings:
+    """The parent's logging, for the core to copy (a spawned process starts with none of it)."""
+
+    level: int
+    transformers_verbosity: int
+    progress_bars: bool
+
+    @classmethod
+    def current(cls) -> LogSettings:
+        import transformers
+
+        hf = transformers.utils.logging
+        return cls(logging.getLogger().getEffectiveLevel(), hf.get_verbosity(), hf.is_progress_bar_enabled())
+
+    def apply(self) -> None:
+        import transformers
+
+        logging.basicConfig(level=self.level, format="%(asctime)s %(name)s[core] %(message)s")
+        transformers.utils.logging.set_verbosity(self.transformers_verbosity)
+        if not self.progress_bars:
+            transformers.utils.logging.disable_progress_bar()
+
+
+def run_core_process(
+    listener: socket.socket, control: Connection, make_config: Callable[[], EngineConfig], log: LogSettings
 ) -> None:
     """The shared engine core's entry point (a spawned process)."""
     # Ctrl-C reaches the whole process group; the supervisor stops the core after its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process("specgate-core")
     log.apply()
+    from specgate.engine.engine import Engine  # torch: here, in the core, and nowhere else of serve
+
     try:
+        config = make_config()
         engine = Engine(config)
         info = ModelInfo.of(engine)
     except Exception as exc:
         logger.exception("the embedded engine failed to load")
-        failed = CoreHub(listener, control, LoadFailed(f"{type(exc).__name__}: {exc}"))
-        while (command := failed.get(1.0)) is None or command[0] != "stop":
+        failed = SocketConnections(listener, control, LoadFailed(f"{type(exc).__name__}: {exc}"))
+        while not isinstance(failed.get(1.0), Shutdown):
             pass  # nothing to run: connecting workers are told why, until the supervisor stops us
         failed.close()
         return
-    hub = CoreHub(listener, control, info)
+    connections = SocketConnections(listener, control, info)
     try:
-        EngineSupervisor(engine, lambda: Engine(config), hub, hub.publish).run()
+        EngineCore(engine, lambda: Engine(config), connections).run()
     finally:
-        hub.close()
+        connections.close()
     logger.info("the shared engine core stopped")
 
 
-class SharedCore:
-    """The supervisor's side: start a core on the shared socket, see it end, stop it."""
+class CoreProcess:
+    """The supervisor's side: start a core on the shared socket, see it end, stop it.
 
-    def __init__(self, listener: socket.socket, config: EngineConfig, log: LogSettings) -> None:
-        self._listener, self._config, self._log = listener, config, log
+    `make_config` builds the engine's config in the core; it must pickle (a bound method of the
+    embedded settings does)."""
+
+    def __init__(
+        self, listener: socket.socket, make_config: Callable[[], EngineConfig], log: LogSettings
+    ) -> None:
+        self._listener, self._make_config, self._log = listener, make_config, log
         self.process: BaseProcess | None = None
         self._control: Connection | None = None
 
@@ -71,8 +107,8 @@ class SharedCore:
         reader, writer = ctx.Pipe(duplex=False)
         # Daemonic: a supervisor that exits without stop() still takes its core along.
         process = ctx.Process(
-            target=run_shared_core,
-            args=(self._listener, reader, self._config, self._log),
+            target=run_core_process,
+            args=(self._listener, reader, self._make_config, self._log),
             name="specgate-engine-core",
             daemon=True,
         )

@@ -1,5 +1,11 @@
-"""The supervised step loop that owns an engine, the same in the engine thread and the engine-core
-process: drain commands, step, publish one `Batch` per step.
+"""The engine core: one engine and its supervised step loop, serving 1..N connections.
+
+The loop is the same wherever it runs (a thread of the gateway process, with one in-process
+connection; the shared core process of `specgate serve`, with one socket connection per worker):
+take what the connections sent (`AddRequest`, `AbortRequest`, `Shutdown`), call `Engine.step()`,
+hand the connections one `Batch` per step. How requests arrive and how each connection gets its
+share of a batch is the `Connections` object's business (`client.py`'s in-process queue, or
+`sockets.py`'s fan-out over Unix sockets).
 
 A request the engine refuses, or one that fails inside a step, fails alone (the engine isolates
 it). A step that raises fails the requests in flight; when steps keep failing (`max_step_failures`
@@ -16,39 +22,45 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
-import torch
-
-from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
-from specgate.gateway.backends.embedded.messages import (
+from specgate.gateway.engine_core.messages import (
     READY,
     REBUILDING,
+    AbortRequest,
+    AddRequest,
     Batch,
-    Command,
     EngineUnavailable,
     Item,
     Load,
-    Submission,
+    Request,
+    Shutdown,
 )
 
+if TYPE_CHECKING:
+    from specgate.engine.engine import Engine
+
 logger = logging.getLogger("specgate.engine_worker")
-IDLE_WAIT = 0.5  # seconds an idle loop waits for a command before it looks at `stopping` again
+IDLE_WAIT = 0.5  # seconds an idle loop waits for a request before it looks at `stopping` again
 
 
-class Inbox(Protocol):
-    def get(self, timeout: float | None) -> Command | None:
-        """The next command, waiting up to `timeout` seconds (None: not at all); None if none came."""
+class Connections(Protocol):
+    """Where the core's requests come from and its batches go."""
+
+    def get(self, timeout: float | None) -> Request | None:
+        """The next request, waiting up to `timeout` seconds (None: not at all); None if none came."""
+
+    def publish(self, batch: Batch) -> None:
+        """One step's news: each connection gets its own requests' part of it."""
 
 
-class EngineSupervisor:
+class EngineCore:
     def __init__(
         self,
         engine: Engine,
         factory: Callable[[], Engine] | None,
-        inbox: Inbox,
-        publish: Callable[[Batch], None],
+        connections: Connections,
         *,
         max_step_failures: int = 3,
         rebuild_backoff: float = 1.0,
@@ -60,8 +72,7 @@ class EngineSupervisor:
         self.last_error: str | None = None
         self.rebuilds = 0
         self.stopping = threading.Event()
-        self._inbox = inbox
-        self._publish = publish
+        self._connections = connections
         self._max_step_failures = max_step_failures
         self._rebuild_backoff = rebuild_backoff
         self._step_failures = 0
@@ -91,7 +102,8 @@ class EngineSupervisor:
                 self.engine.abort(request_id)
 
     def _send(self, deliveries: list[tuple[str, Item]], taken: int) -> None:
-        self._publish(Batch(deliveries, taken, self.load, self.state, self.rebuilds, self.last_error))
+        batch = Batch(deliveries, taken, self.load, self.state, self.rebuilds, self.last_error)
+        self._connections.publish(batch)
 
     def _step(self, deliveries: list[tuple[str, Item]]) -> None:
         t0 = time.perf_counter()
@@ -120,24 +132,24 @@ class EngineSupervisor:
 
     def _drain(self, block: bool, deliveries: list[tuple[str, Item]]) -> int:
         taken = 0
-        cmd = self._inbox.get(IDLE_WAIT if block else None)
-        while cmd is not None:
-            kind, arg = cmd
-            if kind == "add":
-                taken += 1
-                self._admit(arg, deliveries)
-            elif kind == "abort":
-                self.engine.abort(arg)
-            elif kind == "stop":
-                self.stopping.set()
-                break
-            cmd = self._inbox.get(None)
+        request = self._connections.get(IDLE_WAIT if block else None)
+        while request is not None:
+            match request:
+                case AddRequest():
+                    taken += 1
+                    self._admit(request, deliveries)
+                case AbortRequest(request_id=request_id):
+                    self.engine.abort(request_id)
+                case Shutdown():
+                    self.stopping.set()
+                    break
+            request = self._connections.get(None)
         return taken
 
-    def _admit(self, sub: Submission, deliveries: list[tuple[str, Item]]) -> None:
-        rid = sub.request_id
+    def _admit(self, add: AddRequest, deliveries: list[tuple[str, Item]]) -> None:
+        rid = add.request_id
         try:
-            sub.add_to(self.engine)
+            add.add_to(self.engine)
         except RequestError as exc:
             deliveries.append((rid, exc))
         except Exception as exc:  # a bug while admitting one request: that request fails
@@ -159,6 +171,8 @@ class EngineSupervisor:
 
     def _rebuild(self) -> None:
         """Replace a broken engine; the requests it held fail with a retryable error."""
+        import torch  # the engine's owner has it loaded already
+
         unavailable = EngineUnavailable("the embedded engine failed and is being rebuilt")
         try:
             held = self.engine.request_ids()
@@ -172,7 +186,7 @@ class EngineSupervisor:
         self.load = Load()
         self._send([(rid, unavailable) for rid in held], 0)
         # Let the broken engine (weights, KV pool) go before the new one is built beside it.
-        self.engine = cast(Engine, None)
+        self.engine = cast("Engine", None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -185,7 +199,7 @@ class EngineSupervisor:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("rebuilding the embedded engine failed; retrying in %.0f s", wait)
                 self._send([], 0)
-                self._refuse_commands(unavailable, wait)
+                self._refuse_requests(unavailable, wait)
                 wait = min(60.0, wait * 2)
                 continue
             self.engine = engine
@@ -196,15 +210,15 @@ class EngineSupervisor:
             logger.warning("the embedded engine was rebuilt (%d so far)", self.rebuilds)
             break
 
-    def _refuse_commands(self, error: BaseException, wait: float) -> None:
+    def _refuse_requests(self, error: BaseException, wait: float) -> None:
         """While rebuilding: requests that arrive are answered with `error` (they may retry)."""
         deadline = time.monotonic() + wait
         while not self.stopping.is_set() and (left := deadline - time.monotonic()) > 0:
-            cmd = self._inbox.get(left)
-            if cmd is None:
-                break
-            kind, arg = cmd
-            if kind == "add":
-                self._send([(arg.request_id, error)], 1)
-            elif kind == "stop":
-                self.stopping.set()
+            request = self._connections.get(left)
+            match request:
+                case None:
+                    break
+                case AddRequest(request_id=request_id):
+                    self._send([(request_id, error)], 1)
+                case Shutdown():
+                    self.stopping.set()

@@ -1,46 +1,57 @@
-"""What the gateway needs to know of the loaded model, wherever the engine runs.
+"""What a client needs to know of the loaded model, wherever the engine runs: the core's answer to
+each connection, before any `Batch`.
 
-Requests are validated and tokenized on the gateway side (`prompt.py`), so the gateway needs the
-tokenizer and a few limits, but never the engine itself: in process mode the engine lives in the
-engine-core process, which sends this once, in its ready message.
+Requests are validated and tokenized on the gateway side (`backends/embedded/prompt.py`), so the
+gateway needs the tokenizer and a few limits, but never the engine itself. Nothing here imports
+torch, and nothing it holds unpickles into torch: a gateway worker of `serve` reads it without
+loading the engine (reading it off an engine, `ModelInfo.of`, is the core's job).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specgate.engine.config import EngineConfig
-from specgate.engine.engine import Engine
-from specgate.engine.spec_decode.proposers import proposer_names
+if TYPE_CHECKING:
+    from specgate.engine.engine import Engine
 
 logger = logging.getLogger("specgate.embedded")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
-    # The engine's own tokenizer (pickled across in process mode: the very object the engine
+    # The engine's own tokenizer (pickled across from the core: the very object the engine
     # detokenizes with, with no second copy of the loader's logic, GGUF conversion cache included).
     tokenizer: Any
     vocab_size: int
     max_model_len: int
-    config: EngineConfig  # as the engine resolved it ("auto" dtype and device decided)
+    dtype: str  # as the engine resolved them ("auto" decided)
+    device: str
     methods: list[str]  # speculation methods this engine can build
+    known_methods: list[str]  # every method the engine registers, buildable here or not
     # No token decodes to more characters than this: a text over max_model_len times as long
     # cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 256
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.max_model_len < 1 or self.max_token_chars < 1:
+            raise ValueError("vocab_size, max_model_len and max_token_chars must be positive")
 
     @classmethod
     def of(cls, engine: Engine) -> ModelInfo:
         """Read off a loaded engine (on whichever thread or process owns it: building proposers
         may load a draft model)."""
+        from specgate.engine.spec_decode.proposers import proposer_names  # torch: the core's side only
+
         return cls(
             engine.tokenizer,
             engine.runner.vocab_size,
             engine.max_model_len,
-            engine.config,
+            engine.config.dtype,
+            engine.config.device,
             buildable_methods(engine),
+            proposer_names(),
             longest_token(engine.tokenizer),
         )
 
@@ -59,6 +70,8 @@ def longest_token(tokenizer: Any) -> int:
 def buildable_methods(engine: Engine) -> list[str]:
     """Registered proposers that build for this engine; the others (no draft model configured, no
     EAGLE head for this model) are left out of routing with the reason logged."""
+    from specgate.engine.spec_decode.proposers import proposer_names  # torch: the core's side only
+
     out = []
     for name in proposer_names():
         try:
