@@ -275,7 +275,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # `specgate serve`: gateway processes sharing the port, one engine core, one /metrics view
-    # (gateway/cli/workers.py). 1: one process.
+    # (gateway/serve/supervisor.py). 1: one process.
     workers: int = Field(1, ge=1, le=64)
     # Accepted /v1 keys: strings, or tables with limits of their own (ApiKey); empty: /v1 is open.
     api_keys: list[ApiKey] = Field(default_factory=list)

@@ -133,12 +133,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.telemetry.enabled:
         preflight_schema(settings, upgrade=supervised)
     if supervised:
-        from specgate.gateway.cli.worker_process import WorkerOptions
-        from specgate.gateway.cli.workers import serve_workers
+        from specgate.gateway.serve.supervisor import serve_workers
+        from specgate.gateway.serve.worker import WorkerOptions
 
         return serve_workers(settings, WorkerOptions(default_cache_dir(), verbose=args.verbose))
-    from specgate.gateway.cli.announce import announce
     from specgate.gateway.http.connections import uvicorn_options
+    from specgate.gateway.serve.announce import announce
 
     app = create_app(settings, cache_dir=default_cache_dir())
     announce(settings.host, settings.port, "one process", lambda: False)

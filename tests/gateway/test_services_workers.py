@@ -1,6 +1,6 @@
 """Two gateways built as workers of one supervisor (`Services` with a WorkerContext), in this process:
 one rate limit between them, every record through the one relay into the one database, and a policy
-edit made through one live in the other. (tests/gateway/cli/ runs the real supervisor.)"""
+edit made through one live in the other. (tests/gateway/serve/ runs the real supervisor.)"""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_two_workers_agree(tiny_llama_dir: Path, run_dir: Path) -> None:
         telemetry={"url": f"sqlite:///{run_dir / 't.db'}", "auto_upgrade": True, "flush_interval": 0.02},
         policy={"sync_interval": 0.1},
     )
-    # The supervisor's part (cli/shared.py): the store and its relay, the limit tables.
+    # The supervisor's part (serve/shared.py): the store and its relay, the limit tables.
     store = TelemetryStore(settings.telemetry)
     store.open()
     relay = RecordRelayServer(store, str(run_dir / "telemetry.sock")).start()

@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from specgate.gateway.backends.embedded.backend import EmbeddedBackend
-from specgate.gateway.cli.workers import bind_unix
 from specgate.gateway.engine_core.client import EngineLoadFailed, SocketClient, connect
 from specgate.gateway.engine_core.process import CoreProcess, LogSettings
+from specgate.gateway.serve.supervisor import bind_unix
 from specgate.gateway.settings import EmbeddedSettings
 from specgate.gateway.worker_context import WorkerContext
 from tests.gateway.live import (
@@ -171,7 +171,7 @@ def test_a_killed_core_is_a_retryable_503_and_the_gateway_reconnects_to_its_repl
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["code"] in ("engine_restarting", "model_not_ready")
     assert wait_for(served.core.ended, 10)
-    served.core.reap()  # what the serve supervisor does (cli/workers.py), then starts another
+    served.core.reap()  # what the serve supervisor does (serve/supervisor.py), then starts another
     assert killed.exitcode == -signal.SIGKILL  # reaped: no zombie
     served.core.start()
     assert wait_for(lambda: backend.worker is not client and backend.healthy, 60)

@@ -4,7 +4,7 @@ hold them. Each connection gets its model on connect and only its own requests'
 outputs (greedy, token for token what the engine alone answers); a connection that closes has its
 requests aborted while the other's go on; a stopped core costs the waiters a retryable error; and
 `connect` waits for a core that is not there yet; the socket is this user's alone. The core as a
-process is test_process.py; the whole of `serve`, tests/gateway/cli/test_workers.py."""
+process is test_process.py; the whole of `serve`, tests/gateway/serve/test_supervisor.py."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ import pytest
 
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.gateway.cli.workers import bind_unix
 from specgate.gateway.engine_core.client import EngineLoadFailed, SocketClient, connect
 from specgate.gateway.engine_core.core import EngineCore
 from specgate.gateway.engine_core.messages import EngineUnavailable, LoadFailed
 from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.engine_core.sockets import SocketConnections, same_user
+from specgate.gateway.serve.supervisor import bind_unix
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

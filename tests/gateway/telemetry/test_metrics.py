@@ -101,7 +101,7 @@ def test_multiprocess_mode_refuses_a_process_where_prometheus_client_started_wit
 ) -> None:
     """Set after prometheus_client was imported, the directory would be ignored and /metrics would
     show one worker's numbers as if they were all of them: refused, loudly. (The aggregation itself
-    needs fresh processes: tests/gateway/cli/test_workers.py.)"""
+    needs fresh processes: tests/gateway/serve/test_supervisor.py.)"""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         Metrics(multiprocess=True)

@@ -6,7 +6,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from specgate.gateway.cli.announce import announce
+from specgate.gateway.serve.announce import announce
 
 
 def test_ready_is_announced_when_readyz_first_answers_200() -> None:

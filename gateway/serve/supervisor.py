@@ -29,11 +29,11 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from specgate.gateway.cli.announce import announce
-from specgate.gateway.cli.shared import start_shared
-from specgate.gateway.cli.worker_process import WorkerOptions, run_worker
 from specgate.gateway.engine_core.process import CoreProcess, LogSettings
 from specgate.gateway.limits.shared import SharedLimits
+from specgate.gateway.serve.announce import announce
+from specgate.gateway.serve.shared import start_shared
+from specgate.gateway.serve.worker import WorkerOptions, run_worker
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.multiproc import MULTIPROC_ENV, forget_process
 from specgate.gateway.worker_context import WorkerContext

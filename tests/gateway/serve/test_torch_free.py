@@ -1,5 +1,5 @@
 """The processes of `specgate serve` other than the engine core never import torch: the supervisor
-(cli/serve.py, cli/workers.py) and each worker (cli/worker_process.py, the app it builds) load
+(cli/serve.py, serve/supervisor.py) and each worker (serve/worker.py, the app it builds) load
 modules that name no engine internals, and what a worker unpickles from the core (its ModelInfo,
 the tokenizer included, and each step's Batch) imports none either. Checked in a fresh interpreter,
 since this one has torch loaded already. The running fleet is checked too (test_workers.py)."""
@@ -34,8 +34,8 @@ def test_the_supervisor_and_a_worker_import_no_torch(
     script = textwrap.dedent(
         f"""
         import pickle, sys
-        import specgate.gateway.cli.serve, specgate.gateway.cli.workers
-        from specgate.gateway.cli.worker_process import run_worker
+        import specgate.gateway.cli.serve, specgate.gateway.serve.supervisor
+        from specgate.gateway.serve.worker import run_worker
         from specgate.gateway.http.app import create_app
         from specgate.gateway.settings import Settings
         from specgate.gateway.worker_context import WorkerContext

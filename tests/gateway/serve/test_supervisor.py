@@ -27,7 +27,7 @@ import pytest
 
 from specgate.gateway.cli.main import build_parser, main
 from specgate.gateway.cli.serve import serve_settings
-from specgate.gateway.cli.workers import MAX_BACKOFF, STABLE_AFTER, Restarts
+from specgate.gateway.serve.supervisor import MAX_BACKOFF, STABLE_AFTER, Restarts
 from tests.gateway.cli.procs import children, cmdline, gone, maps_torch
 from tests.gateway.fake_upstream import FakeUpstream, metric_value
 from tests.gateway.live import free_port, wait_for, wait_until_ready
