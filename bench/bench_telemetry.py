@@ -41,9 +41,9 @@ def make_record(i: int) -> RequestRecord:
         route=route,
         prompt_tokens=300,
         completion_tokens=128,
-        first_token_at=now - 0.4,
+        first_token_time=now - 0.4,
         finish_reason="length",
-        spec={
+        spec_decoding={
             "method": "ngram",
             "num_drafts": 40,
             "num_draft_tokens": 160,
@@ -55,7 +55,7 @@ def make_record(i: int) -> RequestRecord:
         load={"queue_depth": 2, "running": 12, "kv_usage": 0.4, "backend_in_flight": {"embedded": 12}},
         workload_class="code",
         features={"prompt_tokens": 300, "code_fraction": 0.8},
-        finished_at=now,
+        finished_time=now,
     )
 
 

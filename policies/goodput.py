@@ -39,7 +39,7 @@ class TrainingRow:
     tokens_per_s: float
     tpot_ms: float | None = None
     label: str | None = None
-    received_at: float = 0.0
+    arrival_time: float = 0.0
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     propensity: float | None = None  # the logging policy's chance of this arm; None: not logged

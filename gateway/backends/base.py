@@ -27,7 +27,7 @@ class Observation:
     cached_tokens: int | None = None
     queue_time: float | None = None  # seconds waiting for a batch slot (embedded)
     # Speculation counters in vLLM's vocabulary (embedded engine, or parsed from the backend).
-    spec: dict[str, Any] | None = None
+    spec_decoding: dict[str, Any] | None = None
     # Raw timing / speculation fields a backend reported: vLLM `metrics`, SGLang `meta_info`,
     # llama.cpp `timings`.
     upstream: dict[str, Any] = field(default_factory=dict)

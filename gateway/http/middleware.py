@@ -85,8 +85,8 @@ class GatewayMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         state["client_request_id"] = client_id
-        state["received_at"] = time.time()
-        state["received_perf"] = time.perf_counter()
+        state["arrival_time"] = time.time()
+        state["arrival_perf"] = time.perf_counter()
         addr = client_address(scope, headers, self.trusted_proxies)
         state["client_addr"] = addr
         if self.trusted_proxies:
@@ -98,7 +98,7 @@ class GatewayMiddleware:
         tracker = None
         if endpoint is not None and services is not None:
             context = RequestContext(
-                request_id, client_id, endpoint, state["received_at"], state["received_perf"], addr, bucket
+                request_id, client_id, endpoint, state["arrival_time"], state["arrival_perf"], addr, bucket
             )
             tracker = state["tracker"] = RequestTracker(context)
             services.metrics.in_flight.inc()
@@ -123,7 +123,7 @@ class GatewayMiddleware:
 
         seen = 0
         body_done = False
-        body_deadline = state["received_perf"] + self.body_timeout
+        body_deadline = state["arrival_perf"] + self.body_timeout
         read_timeout = self.body_read_timeout
 
         async def limited_receive() -> Message:

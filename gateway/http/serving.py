@@ -58,7 +58,7 @@ async def handle(
             body_bytes=tracker.body_bytes,
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
-        tracker.overhead_ms = (time.perf_counter() - ctx.received_perf) * 1e3
+        tracker.overhead_ms = (time.perf_counter() - ctx.arrival_perf) * 1e3
         if parsed.stream:
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
             external = _note_failover(svc, call, backend, decision.backends)
@@ -132,7 +132,7 @@ def _note_failover(svc: Services, call: BackendCall, backend: Backend, order: li
 def _external_metrics(call: BackendCall, upstream_metrics: Any) -> dict[str, Any]:
     obs = call.observed
     route = call.route.as_dict() if call.route is not None else None
-    out: dict[str, Any] = {"route": route, "spec_decoding": obs.spec or {"method": None}}
+    out: dict[str, Any] = {"route": route, "spec_decoding": obs.spec_decoding or {"method": None}}
     if obs.upstream:
         out["upstream"] = obs.upstream
     elif upstream_metrics is not None:

@@ -130,7 +130,7 @@ class SqlPolicyStore:
         query = (
             select(s.batch_tokens, s.step_ms)
             .join(requests, requests.c.request_id == s.request_id)
-            .where(r.received_at >= _utc(since), s.batch_tokens > 0, s.step_ms > 0)
+            .where(r.arrival_time >= _utc(since), s.batch_tokens > 0, s.step_ms > 0)
             .order_by(s.id.desc())
             .limit(MAX_STEP_ROWS)
         )
@@ -140,7 +140,7 @@ class SqlPolicyStore:
     def training_rows(self, since: float) -> list[TrainingRow]:
         r = requests.c
         query = select(
-            r.received_at,
+            r.arrival_time,
             r.route,
             r.features,
             r.workload_class,
@@ -151,7 +151,7 @@ class SqlPolicyStore:
             r.propensity,
         ).where(
             r.outcome == "ok",
-            r.received_at >= _utc(since),
+            r.arrival_time >= _utc(since),
             r.tokens_per_s > 0,
             r.completion_tokens >= MIN_COMPLETION_TOKENS,
             r.features.is_not(None),
@@ -162,7 +162,7 @@ class SqlPolicyStore:
                 arm = (row.route or {}).get("arm")
                 if not arm or not isinstance(row.features, dict):
                     continue
-                stamp = _utc(row.received_at)
+                stamp = _utc(row.arrival_time)
                 out.append(
                     TrainingRow(
                         arm,

@@ -16,8 +16,8 @@ class RequestContext:
     # The client's own x-request-id, kept as sent (it may repeat); never used as a key.
     client_request_id: str | None
     endpoint: Endpoint
-    received_at: float  # unix seconds
-    received_perf: float  # time.perf_counter() at arrival: the gateway's own overhead is timed from it
+    arrival_time: float  # unix seconds
+    arrival_perf: float  # time.perf_counter() at arrival: the gateway's own overhead is timed from it
     client_addr: str
     client_bucket: str  # the address as rate limits count it (an IPv6 client's /64)
 

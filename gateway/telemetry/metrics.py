@@ -187,7 +187,7 @@ class Metrics:
             self._child(self.tokens, model, "prompt").inc(rec.prompt_tokens)
         if _is_count(rec.completion_tokens) and rec.completion_tokens:
             self._child(self.tokens, model, "completion").inc(rec.completion_tokens)
-        spec = rec.spec or {}
+        spec = rec.spec_decoding or {}
         method = spec.get("method")
         if method:
             self._child(self.draft_tokens, model, method).inc(spec.get("num_draft_tokens") or 0)

@@ -19,7 +19,7 @@ class RequestRecord:
     request_id: str
     endpoint: str  # "chat" | "completion"
     model: str
-    received_at: float  # unix seconds
+    arrival_time: float  # unix seconds
     stream: bool
     api_key_id: str | None = None  # a hash prefix of the key, never the key
     # The client's own x-request-id, kept as sent (it may repeat); `request_id` is the gateway's.
@@ -34,12 +34,12 @@ class RequestRecord:
     completion_tokens: int | None = None
     # Prompt tokens served from the backend's prefix cache; None when the backend does not say.
     cached_tokens: int | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    queue_ms: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    queue_time_ms: float | None = None
     attempts: int = 0
     load: dict[str, Any] = field(default_factory=dict)  # load at arrival
-    spec: dict[str, Any] | None = None
+    spec_decoding: dict[str, Any] | None = None
     upstream: dict[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called
     workload_class: str | None = None  # set by a classifying router
@@ -54,18 +54,18 @@ class RequestRecord:
 
     @property
     def ttft_ms(self) -> float | None:
-        return None if self.first_token_at is None else (self.first_token_at - self.received_at) * 1e3
+        return None if self.first_token_time is None else (self.first_token_time - self.arrival_time) * 1e3
 
     @property
     def e2e_ms(self) -> float | None:
-        return None if self.finished_at is None else (self.finished_at - self.received_at) * 1e3
+        return None if self.finished_time is None else (self.finished_time - self.arrival_time) * 1e3
 
     @property
     def tpot_ms(self) -> float | None:
         n = self.completion_tokens or 0
-        if self.first_token_at is None or self.finished_at is None or n < 2:
+        if self.first_token_time is None or self.finished_time is None or n < 2:
             return None
-        return (self.finished_at - self.first_token_at) * 1e3 / (n - 1)
+        return (self.finished_time - self.first_token_time) * 1e3 / (n - 1)
 
     @property
     def tokens_per_s(self) -> float | None:

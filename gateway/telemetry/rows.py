@@ -18,13 +18,13 @@ from specgate.gateway.telemetry.records import RequestRecord
 Entry = dict[str, Any]
 _ENCODE = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
-TIME_COLUMNS = ("received_at", "first_token_at", "finished_at")
+TIME_COLUMNS = ("arrival_time", "first_token_time", "finished_time")
 
 
 def request_row(rec: RequestRecord) -> dict[str, Any]:
     route = rec.route.as_dict() if rec.route is not None else {}
     spec_route = route.get("spec") or {}
-    spec = rec.spec or {}
+    spec = rec.spec_decoding or {}
     in_flight = rec.load.get("backend_in_flight") or {}
     affinity = route.get("affinity") or {}
     return {
@@ -34,9 +34,9 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "endpoint": rec.endpoint,
         "model": rec.model,
         "stream": rec.stream,
-        "received_at": rec.received_at,
-        "first_token_at": rec.first_token_at,
-        "finished_at": rec.finished_at,
+        "arrival_time": rec.arrival_time,
+        "first_token_time": rec.first_token_time,
+        "finished_time": rec.finished_time,
         "status": rec.status,
         "outcome": rec.outcome,
         "cancelled": rec.cancelled,
@@ -45,7 +45,7 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "prompt_tokens": rec.prompt_tokens,
         "completion_tokens": rec.completion_tokens,
         "cached_tokens": rec.cached_tokens,
-        "queue_ms": rec.queue_ms,
+        "queue_time_ms": rec.queue_time_ms,
         "ttft_ms": rec.ttft_ms,
         "tpot_ms": rec.tpot_ms,
         "e2e_ms": rec.e2e_ms,
@@ -127,11 +127,15 @@ def decode_entry(data: bytes) -> Entry:
     return value
 
 
-# Rows spooled by earlier versions name some columns as they were before revision 0004.
+# Rows spooled by earlier versions name some columns as they were before revisions 0004 and 0009.
 LEGACY_COLUMNS = {
     "num_spec_steps": "num_drafts",
     "num_accepted_draft_tokens": "num_accepted_tokens",
     "acceptance_histogram": "num_accepted_tokens_per_pos",
+    "received_at": "arrival_time",
+    "first_token_at": "first_token_time",
+    "finished_at": "finished_time",
+    "queue_ms": "queue_time_ms",
 }
 
 

@@ -42,9 +42,9 @@ requests = Table(
     Column("model", String(256), nullable=False),
     Column("stream", Boolean, nullable=False),
     # Timestamps (UTC).
-    Column("received_at", DateTime(timezone=True), nullable=False),
-    Column("first_token_at", DateTime(timezone=True)),
-    Column("finished_at", DateTime(timezone=True)),
+    Column("arrival_time", DateTime(timezone=True), nullable=False),
+    Column("first_token_time", DateTime(timezone=True)),
+    Column("finished_time", DateTime(timezone=True)),
     # Outcome.
     Column("status", Integer, nullable=False),
     Column("outcome", String(16), nullable=False),  # ok | error | cancelled
@@ -57,7 +57,7 @@ requests = Table(
     # Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens); NULL
     # when the backend does not report it.
     Column("cached_tokens", Integer),
-    Column("queue_ms", Float),
+    Column("queue_time_ms", Float),
     Column("ttft_ms", Float),
     Column("tpot_ms", Float),
     Column("e2e_ms", Float),
@@ -101,11 +101,11 @@ requests = Table(
     Column("affinity_source", String(16)),
     Column("affinity_hit", Boolean),
     Column("upstream", JSON),  # what an external backend reported (vLLM metrics, SGLang meta_info...)
-    Index(None, "received_at"),
-    Index(None, "model", "received_at"),
+    Index(None, "arrival_time"),
+    Index(None, "model", "arrival_time"),
     Index(None, "workload_class", "spec_method"),
-    Index(None, "backend", "spec_method", "received_at"),
-    Index(None, "outcome", "received_at"),
+    Index(None, "backend", "spec_method", "arrival_time"),
+    Index(None, "outcome", "arrival_time"),
     Index(None, "client_request_id"),
 )
 

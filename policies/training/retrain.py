@@ -33,7 +33,7 @@ class RetrainResult:
     n_rows: int
     n_train: int
     n_holdout: int
-    window: tuple[float, float]  # received_at of the first and last row used
+    window: tuple[float, float]  # arrival_time of the first and last row used
     arm_rows: dict[str, int]
     candidate: ReplayResult
     current: ReplayResult
@@ -79,7 +79,7 @@ def retrain(
 ) -> RetrainResult:
     """`steps`: measured (batch tokens, step ms) of engine steps in the window, for the step cost
     curve that bounds speculation by batch size (the current curve stays if they are too few)."""
-    rows = sorted(rows, key=lambda r: r.received_at)
+    rows = sorted(rows, key=lambda r: r.arrival_time)
     if len(rows) < rules.min_train_rows:
         raise InsufficientData(
             f"retraining needs at least {rules.min_train_rows} finished requests with measured goodput "
@@ -143,7 +143,7 @@ def retrain(
         len(rows),
         len(train),
         len(holdout),
-        (rows[0].received_at, rows[-1].received_at),
+        (rows[0].arrival_time, rows[-1].arrival_time),
         dict(counts),
         cand,
         cur,

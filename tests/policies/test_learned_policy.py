@@ -64,7 +64,7 @@ def test_exploration_stays_under_its_cap(model: GoodputModel) -> None:
 def test_thompson_explores_when_arms_are_close() -> None:
     rows = [r for r in synth.rows(200, seed=3) if True]
     for r in rows:  # make both arms equally good: posterior overlap should drive exploration
-        r.tokens_per_s = 20.0 * random.Random(r.received_at).uniform(0.8, 1.2)
+        r.tokens_per_s = 20.0 * random.Random(r.arrival_time).uniform(0.8, 1.2)
     policy = LearnedPolicy(
         RuleConfig(exploration_cap=1.0, exploration_rate=0.0), GoodputModel.fit(rows, 20), seed=0
     )

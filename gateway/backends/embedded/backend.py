@@ -265,7 +265,7 @@ class EmbeddedBackend:
         obs.finish_reason = out.finish_reason
         obs.completion_tokens = out.stats.num_output_tokens
         obs.queue_time = out.stats.queue_time
-        obs.spec = fmt.spec_decoding(out.stats)
+        obs.spec_decoding = fmt.spec_decoding(out.stats)
         st = out.stats.spec
         if st is not None:
             obs.spec_steps = list(

@@ -40,7 +40,7 @@ def capture(body: dict[str, Any], obs: Observation) -> None:
     except (TypeError, ValueError, OverflowError, AttributeError):  # fields of the wrong type: ignored
         spec = None
     if spec is not None:
-        obs.spec = spec
+        obs.spec_decoding = spec
 
 
 def _count(value: Any, default: int | None) -> int | None:

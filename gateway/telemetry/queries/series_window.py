@@ -57,7 +57,7 @@ def epoch_seconds(engine: Engine, column: Any) -> Any:
 
 def bucket_of(engine: Engine, grid: Grid) -> Any:
     """SQL: the index of the step a request's arrival falls in (rows are already inside the grid)."""
-    offset = (epoch_seconds(engine, requests.c.received_at) - literal(grid.start)) / literal(grid.step)
+    offset = (epoch_seconds(engine, requests.c.arrival_time) - literal(grid.start)) / literal(grid.step)
     if engine.dialect.name == "sqlite":
         return cast(offset, Integer)  # truncation is floor here: offsets are never negative
     return cast(func.floor(offset), Integer)

@@ -28,7 +28,7 @@ def _rows(engine: Engine, query: Any) -> list[dict[str, Any]]:
 
 
 def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> dict[str, Any]:
-    in_window = r.received_at >= since
+    in_window = r.arrival_time >= since
     ok = and_(in_window, r.outcome == "ok")
     klass = func.coalesce(r.workload_class, "unclassified").label("workload_class")
     method = func.coalesce(r.spec_method, "off").label("spec_method")
@@ -92,9 +92,9 @@ def window_stats(engine: Engine, since: dt.datetime, limit_errors: int = 20) -> 
         .order_by(r.policy_version)
     )
     errors = (
-        select(r.received_at, r.request_id, r.model, r.backend, r.endpoint, r.status, r.error_code)
+        select(r.arrival_time, r.request_id, r.model, r.backend, r.endpoint, r.status, r.error_code)
         .where(in_window, r.outcome == "error")
-        .order_by(r.received_at.desc())
+        .order_by(r.arrival_time.desc())
         .limit(limit_errors)
     )
     return {

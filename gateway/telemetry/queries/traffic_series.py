@@ -21,7 +21,7 @@ LATENCIES = ("ttft_ms", "tpot_ms")
 
 def window_filter(grid: Grid, model: str | None, backend: str | None) -> Any:
     """Rows that arrived inside the grid, of one model / backend when given."""
-    cond = [r.received_at >= grid.since(), r.received_at < grid.until()]
+    cond = [r.arrival_time >= grid.since(), r.arrival_time < grid.until()]
     if model is not None:
         cond.append(r.model == model)
     if backend is not None:

@@ -29,7 +29,7 @@ def row(at: float, **values: Any) -> dict[str, Any]:
         "endpoint": "chat",
         "model": "m-a",
         "stream": False,
-        "received_at": dt.datetime.fromtimestamp(at, tz=dt.UTC),
+        "arrival_time": dt.datetime.fromtimestamp(at, tz=dt.UTC),
         "status": 200,
         "outcome": "ok",
         "cancelled": False,

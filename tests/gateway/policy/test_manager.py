@@ -68,7 +68,7 @@ def seed(engine, n: int) -> None:  # type: ignore[no-untyped-def]
     with engine.begin() as conn:
         # Rows the learner must skip: failed, too short, routed before the policy (no arm).
         base = dict(
-            endpoint="chat", model="m", stream=False, received_at=dt.datetime.now(dt.UTC), cancelled=False
+            endpoint="chat", model="m", stream=False, arrival_time=dt.datetime.now(dt.UTC), cancelled=False
         )
         ok = dict(status=200, outcome="ok", tokens_per_s=5.0, features={"p_code": 1.0}, **base)
         skipped = [

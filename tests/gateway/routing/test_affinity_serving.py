@@ -59,7 +59,7 @@ def rows(db: str) -> list[dict[str, Any]]:
     try:
         with engine.connect() as conn:
             columns = "backend, affinity_group, affinity_source, affinity_hit"
-            sql = f"SELECT {columns} FROM requests ORDER BY received_at"
+            sql = f"SELECT {columns} FROM requests ORDER BY arrival_time"
             return [dict(r._mapping) for r in conn.execute(sa.text(sql))]
     finally:
         engine.dispose()

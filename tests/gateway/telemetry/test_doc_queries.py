@@ -40,7 +40,7 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
         change: dict[str, Any] = {"workload_class": "code" if i % 2 else "open_chat"}
         if i % 4 == 0:  # plain decoding, faster on open chat: ngram "loses" there
             route.spec = None
-            change |= {"spec": {"method": None}, "completion_tokens": 200}
+            change |= {"spec_decoding": {"method": None}, "completion_tokens": 200}
         if i % 5 == 1:
             change["cached_tokens"] = None  # a backend that does not report its prefix-cache hits
         if i % 10 == 9:

@@ -28,14 +28,14 @@ def _record(prompt: object, cached: object, model: str = "m", outcome: str = "ok
         "r",
         "chat",
         model,
-        received_at=now,
+        arrival_time=now,
         stream=False,
         backend="embedded",
         status=200,
         outcome=outcome,
         prompt_tokens=prompt,  # type: ignore[arg-type]
         cached_tokens=cached,  # type: ignore[arg-type]
-        finished_at=now,
+        finished_time=now,
     )
 
 

@@ -36,12 +36,13 @@ def _columns(url: str, table: str) -> set[str]:
 
 def _insert_request(url: str, **values: object) -> None:
     """One minimal request row, written with plain SQL (the metadata is at head, the table may not be)."""
+    arrival = "arrival_time" if "arrival_time" in _columns(url, "requests") else "received_at"  # < 0009
     row = {
         "request_id": "r-0005",
         "endpoint": "chat",
         "model": "m",
         "stream": False,
-        "received_at": dt.datetime.now(dt.UTC),
+        arrival: dt.datetime.now(dt.UTC),
         "status": 200,
         "outcome": "ok",
         "cancelled": False,
@@ -81,14 +82,14 @@ def test_one_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0008"]
+    assert heads == ["0009"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0008"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0009"
     tables, views = _tables(db_url)
     assert {
         "requests",
@@ -104,9 +105,20 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0008"
-    # One step down removes the sign-out table, nothing else; request rows survive it.
-    _insert_request(db_url)
+    assert schema.current_revision(engine) == "0009"
+    # One step down gives the timing columns their old names back, indexes and view included; a
+    # row written at head keeps its values both ways.
+    timings = {"arrival_time", "first_token_time", "finished_time", "queue_time_ms"}
+    _insert_request(db_url, first_token_time=dt.datetime.now(dt.UTC), queue_time_ms=12.5)
+    schema.downgrade(db_url, "0008")
+    columns = _columns(db_url, "requests")
+    assert not timings & columns and {"received_at", "first_token_at", "finished_at", "queue_ms"} <= columns
+    assert _tables(db_url)[1] == VIEWS and _select(db_url, "SELECT queue_ms FROM requests") == [12.5]
+    assert _select(db_url, "SELECT count(*) FROM v_recent_errors") == [0]
+    schema.upgrade(db_url)
+    assert timings <= _columns(db_url, "requests")
+    assert _select(db_url, "SELECT queue_time_ms FROM requests") == [12.5]
+    # The next removes the sign-out table, nothing else; request rows survive it.
     schema.downgrade(db_url, "0007")
     assert "dashboard_revocations" not in _tables(db_url)[0] and _request_ids(db_url) == ["r-0005"]
     _delete_requests(db_url)
@@ -163,7 +175,7 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0008"
+    assert schema.current_revision(engine) == "0009"
     engine.dispose()
 
 
@@ -220,7 +232,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0008"
+    assert schema.current_revision(lite) == "0009"
     lite.dispose()
 
 
@@ -228,7 +240,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0008" in out.stdout
+    assert "current: 0009" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -237,4 +249,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0008 (head)" in out.stdout
+    assert "0009 (head)" in out.stdout

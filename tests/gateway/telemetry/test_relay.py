@@ -40,7 +40,7 @@ def record(name: str) -> RequestRecord:
         name,
         "chat",
         "m",
-        received_at=time.time() - 1,
+        arrival_time=time.time() - 1,
         stream=False,
         status=200,
         backend="embedded",
@@ -49,7 +49,7 @@ def record(name: str) -> RequestRecord:
         route=route,
         # numpy scalars do reach records (a classifier's probabilities)
         features={"p_code": np.float64(0.75), "p_chat": np.float32(0.25), "prompt_chars": 42},
-        finished_at=time.time(),
+        finished_time=time.time(),
     )
 
 

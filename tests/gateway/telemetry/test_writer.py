@@ -49,13 +49,13 @@ def record(i: int, **kw: Any) -> RequestRecord:
         "prompt_tokens": 10,
         "completion_tokens": 20,
         "cached_tokens": 4,
-        "first_token_at": received + 0.05,
-        "finished_at": time.time(),
-        "spec": spec,
+        "first_token_time": received + 0.05,
+        "finished_time": time.time(),
+        "spec_decoding": spec,
         "spec_steps": [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)],  # the second a tree of 3 nodes, 2 deep
         "load": {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}},
     }
-    return RequestRecord(f"req-{i}", "chat", "m", received_at=received, stream=False, **(fields | kw))
+    return RequestRecord(f"req-{i}", "chat", "m", arrival_time=received, stream=False, **(fields | kw))
 
 
 def count(url: str, table=requests) -> int:  # type: ignore[no-untyped-def]
@@ -98,7 +98,7 @@ def test_rows_are_written_with_their_fields(db_url: str, tmp_path: Path) -> None
     assert row["load_backend_in_flight"] == 2 and row["load_kv_usage"] == 0.25
     assert row["prompt_tokens"] == 10 and row["cached_tokens"] == 4
     assert row["ttft_ms"] == pytest.approx(50, abs=1) and row["outcome"] == "ok" and not row["cancelled"]
-    assert row["received_at"].tzinfo is not None or db_url.startswith("sqlite")
+    assert row["arrival_time"].tzinfo is not None or db_url.startswith("sqlite")
 
 
 def test_spec_steps_are_off_by_default(sqlite_url: str, tmp_path: Path) -> None:
@@ -251,7 +251,7 @@ def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None
         client_request_id="c" * 500,
         prompt_tokens=10**30,
         completion_tokens=-(10**30),
-        queue_ms=float("nan"),
+        queue_time_ms=float("nan"),
         features={
             "x": float("inf"),
             "\udfff": ["\ud800", 2**70],
@@ -271,7 +271,7 @@ def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None
     assert row["model"].startswith("?bad") and len(row["model"]) == 256 and "\x00" not in row["model"]
     assert len(row["client_request_id"]) == 128
     assert row["prompt_tokens"] == 2**31 - 1 and row["completion_tokens"] == -(2**31)
-    assert row["queue_ms"] is None and row["features"]["x"] is None
+    assert row["queue_time_ms"] is None and row["features"]["x"] is None
     assert row["upstream"]["truncated"] is True and row["upstream"]["bytes"] > 64 * 1024
 
 
@@ -298,7 +298,7 @@ def test_a_spool_with_a_bad_row_replays_the_rest(sqlite_url: str, tmp_path: Path
     spool_dir = tmp_path / "spool"
     dead = Spool(spool_dir)
     rows = [{"r": request_row(record(i))} for i in range(10)]
-    rows[4]["r"]["received_at"] = None  # NOT NULL
+    rows[4]["r"]["arrival_time"] = None  # NOT NULL
     dead.append(rows)
     dead.close()
     w = writer_for(sqlite_url, spool_dir)
@@ -354,7 +354,7 @@ spool = Spool(sys.argv[1])
 rows = []
 for i in range(5):
     now = time.time()
-    rec = RequestRecord(f"{sys.argv[2]}-{i}", "chat", "m", now, False, status=200, finished_at=now)
+    rec = RequestRecord(f"{sys.argv[2]}-{i}", "chat", "m", now, False, status=200, finished_time=now)
     rows.append({"r": request_row(rec)})
 spool.append(rows)
 if sys.argv[3] == "crash":
@@ -387,13 +387,14 @@ def test_a_failed_spool_write_leaves_no_torn_line(tmp_path: Path, monkeypatch: p
 
 
 def test_a_spool_from_before_the_per_process_files_is_adopted(sqlite_url: str, tmp_path: Path) -> None:
-    """The single spool file of earlier versions, with the old speculation column names."""
+    """The single spool file of earlier versions, with the old speculation and timing column names."""
     import json
 
     schema.upgrade(sqlite_url)
     legacy = tmp_path / "telemetry-spool-old.jsonl"
     row = request_row(record(1))
     row["num_spec_steps"] = row.pop("num_drafts")
+    row["received_at"], row["queue_ms"] = row.pop("arrival_time"), row.pop("queue_time_ms")
     legacy.write_text(json.dumps({"r": row}) + "\n")
     w = TelemetryWriter(
         schema.make_engine(sqlite_url),
@@ -408,6 +409,6 @@ def test_a_spool_from_before_the_per_process_files_is_adopted(sqlite_url: str, t
     w.close()
     engine = schema.make_engine(sqlite_url)
     with engine.connect() as conn:
-        got = conn.execute(select(requests.c.num_drafts)).scalar_one()
+        got = conn.execute(select(requests.c.num_drafts, requests.c.arrival_time)).one()
     engine.dispose()
-    assert not legacy.exists() and got == 5
+    assert not legacy.exists() and got.num_drafts == 5 and got.arrival_time is not None

@@ -59,20 +59,20 @@ def test_vllm_metrics_are_kept_raw_and_read_as_speculation() -> None:
     assert obs.upstream == {"metrics": VLLM_METRICS}
     assert obs.prompt_tokens == 12 and obs.completion_tokens == 32
     assert obs.finish_reason == "length"
-    assert obs.spec is not None
-    assert obs.spec["method"] == "upstream:vllm"
-    assert obs.spec["num_drafts"] == 14
-    assert obs.spec["num_accepted_tokens"] == 22
-    assert obs.spec["num_accepted_tokens_per_pos"] == [11, 8, 3]
-    assert obs.spec["mean_acceptance_length"] == pytest.approx((22 + 14) / 14)
-    assert obs.spec["num_draft_tokens"] is None  # vLLM does not say how many were drafted
-    assert obs.spec["draft_acceptance_rate"] is None
+    assert obs.spec_decoding is not None
+    assert obs.spec_decoding["method"] == "upstream:vllm"
+    assert obs.spec_decoding["num_drafts"] == 14
+    assert obs.spec_decoding["num_accepted_tokens"] == 22
+    assert obs.spec_decoding["num_accepted_tokens_per_pos"] == [11, 8, 3]
+    assert obs.spec_decoding["mean_acceptance_length"] == pytest.approx((22 + 14) / 14)
+    assert obs.spec_decoding["num_draft_tokens"] is None  # vLLM does not say how many were drafted
+    assert obs.spec_decoding["draft_acceptance_rate"] is None
 
 
 def test_vllm_without_speculation_gives_no_spec() -> None:
     obs = Observation()
     capture(chat_body(metrics={**VLLM_METRICS, "spec_token_acceptance_counts": None}), obs)
-    assert obs.spec is None
+    assert obs.spec_decoding is None
     assert obs.upstream["metrics"]["time_in_queue"] == 0.001
 
 
@@ -100,15 +100,15 @@ def test_vllm_stream_metrics_arrive_with_the_last_chunk() -> None:
     ]
     capture(chunks[0], obs)
     capture(chunks[1], obs)
-    assert obs.finish_reason is None and obs.spec is None and obs.completion_tokens is None
+    assert obs.finish_reason is None and obs.spec_decoding is None and obs.completion_tokens is None
     for c in chunks[2:]:
         capture(c, obs)
     assert obs.finish_reason == "stop"
     assert obs.completion_tokens == 32 and obs.prompt_tokens == 12
-    assert obs.spec is not None and obs.spec["num_accepted_tokens"] == 22
+    assert obs.spec_decoding is not None and obs.spec_decoding["num_accepted_tokens"] == 22
     # A later chunk without those fields does not erase them.
     capture(chunk({}), obs)
-    assert obs.finish_reason == "stop" and obs.completion_tokens == 32 and obs.spec is not None
+    assert obs.finish_reason == "stop" and obs.completion_tokens == 32 and obs.spec_decoding is not None
 
 
 SGLANG_META = {
@@ -128,12 +128,12 @@ def test_sglang_meta_info_at_top_level() -> None:
     obs = Observation()
     capture(chat_body(meta_info=dict(SGLANG_META)), obs)
     assert obs.upstream == {"meta_info": SGLANG_META}
-    assert obs.spec is not None
-    assert obs.spec["method"] == "upstream:sglang"
-    assert obs.spec["num_drafts"] == 10
-    assert obs.spec["num_accepted_tokens"] == 22  # (3.2 - 1) * 10
-    assert obs.spec["mean_acceptance_length"] == pytest.approx(3.2)
-    assert obs.spec["draft_acceptance_rate"] == pytest.approx(0.55)
+    assert obs.spec_decoding is not None
+    assert obs.spec_decoding["method"] == "upstream:sglang"
+    assert obs.spec_decoding["num_drafts"] == 10
+    assert obs.spec_decoding["num_accepted_tokens"] == 22  # (3.2 - 1) * 10
+    assert obs.spec_decoding["mean_acceptance_length"] == pytest.approx(3.2)
+    assert obs.spec_decoding["draft_acceptance_rate"] == pytest.approx(0.55)
 
 
 def test_sglang_meta_info_inside_a_choice_and_without_a_rate() -> None:
@@ -143,16 +143,16 @@ def test_sglang_meta_info_inside_a_choice_and_without_a_rate() -> None:
     obs = Observation()
     capture(body, obs)
     assert obs.upstream == {"meta_info": meta}
-    assert obs.spec is not None
-    assert obs.spec["num_accepted_tokens"] == 22
-    assert obs.spec["draft_acceptance_rate"] is None
+    assert obs.spec_decoding is not None
+    assert obs.spec_decoding["num_accepted_tokens"] == 22
+    assert obs.spec_decoding["draft_acceptance_rate"] is None
 
 
 def test_sglang_without_speculation_gives_no_spec() -> None:
     meta = {k: v for k, v in SGLANG_META.items() if not k.startswith("spec_")}
     obs = Observation()
     capture(chat_body(meta_info=meta), obs)
-    assert obs.spec is None and obs.upstream == {"meta_info": meta}
+    assert obs.spec_decoding is None and obs.upstream == {"meta_info": meta}
 
 
 LLAMA_TIMINGS = {
@@ -173,27 +173,27 @@ def test_llama_cpp_timings_with_a_draft_model() -> None:
     obs = Observation()
     capture(chat_body(timings=dict(LLAMA_TIMINGS)), obs)
     assert obs.upstream == {"timings": LLAMA_TIMINGS}
-    assert obs.spec is not None
-    assert obs.spec["method"] == "upstream:llama.cpp"
-    assert obs.spec["num_draft_tokens"] == 40
-    assert obs.spec["num_accepted_tokens"] == 26
-    assert obs.spec["draft_acceptance_rate"] == pytest.approx(0.65)
-    assert obs.spec["num_drafts"] is None  # llama.cpp does not count verification steps
-    assert obs.spec["mean_acceptance_length"] is None
+    assert obs.spec_decoding is not None
+    assert obs.spec_decoding["method"] == "upstream:llama.cpp"
+    assert obs.spec_decoding["num_draft_tokens"] == 40
+    assert obs.spec_decoding["num_accepted_tokens"] == 26
+    assert obs.spec_decoding["draft_acceptance_rate"] == pytest.approx(0.65)
+    assert obs.spec_decoding["num_drafts"] is None  # llama.cpp does not count verification steps
+    assert obs.spec_decoding["mean_acceptance_length"] is None
 
 
 def test_llama_cpp_timings_without_drafting() -> None:
     timings = {k: v for k, v in LLAMA_TIMINGS.items() if not k.startswith("draft_")}
     obs = Observation()
     capture({**chat_body(), "timings": timings}, obs)
-    assert obs.spec is None
+    assert obs.spec_decoding is None
     assert obs.upstream == {"timings": timings}
 
 
 def test_plain_openai_body_leaves_no_upstream_stats() -> None:
     obs = Observation()
     capture(chat_body(), obs)
-    assert obs.upstream == {} and obs.spec is None
+    assert obs.upstream == {} and obs.spec_decoding is None
     assert (obs.prompt_tokens, obs.completion_tokens, obs.finish_reason) == (12, 32, "length")
 
 
@@ -201,7 +201,7 @@ def test_odd_shapes_are_ignored() -> None:
     obs = Observation()
     capture({"choices": None, "usage": None, "metrics": "n/a", "timings": [1, 2]}, obs)
     capture({"choices": ["not a dict"], "meta_info": None}, obs)
-    assert obs.upstream == {} and obs.spec is None and obs.prompt_tokens is None
+    assert obs.upstream == {} and obs.spec_decoding is None and obs.prompt_tokens is None
 
 
 def test_another_specgate_upstream_is_read_consistently_with_its_own_counters() -> None:
@@ -217,10 +217,10 @@ def test_another_specgate_upstream_is_read_consistently_with_its_own_counters() 
 
     obs = Observation()
     capture(chat_body(metrics=inner), obs)
-    assert obs.spec is not None
-    assert obs.spec["num_drafts"] == inner["spec_decoding"]["num_drafts"]
-    assert obs.spec["num_accepted_tokens"] == inner["spec_decoding"]["num_accepted_tokens"]
-    assert obs.spec["mean_acceptance_length"] == pytest.approx(
+    assert obs.spec_decoding is not None
+    assert obs.spec_decoding["num_drafts"] == inner["spec_decoding"]["num_drafts"]
+    assert obs.spec_decoding["num_accepted_tokens"] == inner["spec_decoding"]["num_accepted_tokens"]
+    assert obs.spec_decoding["mean_acceptance_length"] == pytest.approx(
         inner["spec_decoding"]["mean_acceptance_length"]
     )
 
