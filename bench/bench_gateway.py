@@ -1,6 +1,7 @@
 """What the gateway adds over calling the same backend directly, beside LiteLLM, one run, side by side.
 
     python bench/bench_gateway.py [--quick] [--requests 4000] [--concurrency 100] [--litellm PATH]
+                                  [--baseline OTHER/.venv/bin/python]
 
 Targets, all fronting one stub OpenAI-compatible backend (bench/stub_backend.py: canned answers,
 no model): `direct` (the stub itself), `specgate` (`specgate serve`, one worker, the default),
@@ -8,7 +9,9 @@ no model): `direct` (the stub itself), `specgate` (`specgate serve`, one worker,
 proxy, one worker, when installed: --litellm, else `litellm` on PATH, else /work/litellm-venv).
 specgate runs as served (routing policy on: it classifies every request) but for its embedded
 engine (off) and its telemetry store (a throwaway SQLite file; --no-telemetry: off). Processes and
-their CPU accounting: bench/gateway_targets.py.
+their CPU accounting: bench/gateway_targets.py. With --baseline, another build of specgate (the
+interpreter of another checkout's venv) runs as `base` and `base x2` beside this one, and the
+goals end with this build's figures over the baseline's.
 
 The client is this process: httpx.AsyncClient with keep-alive, one client (one connection) per
 concurrent worker, as in the issue's baseline. Modes: sequential (one request in flight), JSON and
@@ -359,6 +362,8 @@ def goals(results: list[tuple[Mode, dict[str, Cell]]]) -> None:
         print(
             f"  info specgate x2 req/s / direct's, {mode.label}: {100 * r2:.0f}% (2 workers: x{r2 / r:.2f})"
         )
+    if "base" in seq:
+        baseline(results, added)
     if "litellm" not in seq:
         print("  (no LiteLLM row: its goals not measured)")
         return
@@ -375,6 +380,23 @@ def goals(results: list[tuple[Mode, dict[str, Cell]]]) -> None:
         print(f"  {mark(r >= 5)} specgate req/s / litellm's, {mode.label}: {r:.1f}x (goal >= 5x)")
 
 
+def baseline(
+    results: list[tuple[Mode, dict[str, Cell]]], added: Callable[[dict[str, Cell], str, str, float], float]
+) -> None:
+    """This build beside the baseline build, measured in the same rounds."""
+    for mode, cells in results:
+        if mode.inflight == 1:
+            for q in (0.5, 0.99):
+                ours, base = added(cells, "specgate", "end", q), added(cells, "base", "end", q)
+                label = f"added p{round(q * 100)}, {mode.label}"
+                print(f"  info {label}: this build {ours:.2f} ms, the base build {base:.2f} ms")
+        else:
+            for name in ("specgate", "specgate x2"):
+                other = name.replace("specgate", "base")
+                r = cells[name].rate / cells[other].rate
+                print(f"  info {name} req/s / the base build's, {mode.label}: {r:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=4000, help="sequential requests per target and mode")
@@ -386,6 +408,7 @@ def main() -> None:
     ap.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM row out")
     ap.add_argument("--no-telemetry", action="store_true", help="turn specgate's telemetry store off")
     ap.add_argument("--quick", action="store_true", help="a short run, about two minutes")
+    ap.add_argument("--baseline", metavar="PYTHON", help="another build's interpreter, run beside this one")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rounds = 400, 4
@@ -404,6 +427,9 @@ def main() -> None:
             telemetry = not args.no_telemetry
             targets.append(gt.start_specgate("specgate", stub, tmp, 1, telemetry))
             targets.append(gt.start_specgate("specgate x2", stub, tmp, 2, telemetry))
+            if args.baseline:
+                targets.append(gt.start_specgate("base", stub, tmp, 1, telemetry, args.baseline))
+                targets.append(gt.start_specgate("base x2", stub, tmp, 2, telemetry, args.baseline))
             if litellm:
                 try:
                     targets.append(gt.start_litellm(litellm, stub, tmp))

@@ -21,6 +21,7 @@ from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.spool import Spool
 from specgate.gateway.telemetry.writer import TelemetryWriter
+from specgate.policies.load import BackendLoad, Load
 
 
 def make_record(i: int) -> RequestRecord:
@@ -52,7 +53,9 @@ def make_record(i: int) -> RequestRecord:
             "mean_acceptance_length": 3.2,
             "draft_acceptance_rate": 0.55,
         },
-        load={"queue_depth": 2, "running": 12, "kv_usage": 0.4, "backend_in_flight": {"embedded": 12}},
+        load=Load(
+            engine=True, queue_depth=2, running=12, kv_usage=0.4, backends={"embedded": BackendLoad(12)}
+        ),
         workload_class="code",
         features={"prompt_tokens": 300, "code_fraction": 0.8},
         finished_time=now,

@@ -144,9 +144,12 @@ def start_stub(tmp: Path) -> Target:
     return start("direct", cmd, f"http://127.0.0.1:{port}", "/v1/models", tmp)
 
 
-def start_specgate(name: str, stub: str, tmp: Path, workers: int, telemetry: bool) -> Target:
+def start_specgate(
+    name: str, stub: str, tmp: Path, workers: int, telemetry: bool, python: str = sys.executable
+) -> Target:
     """`specgate serve` as served by default (routing policy on) but: the embedded engine off, the
-    stub as its one backend, and the telemetry store on a throwaway SQLite file (or off)."""
+    stub as its one backend, and the telemetry store on a throwaway SQLite file (or off). `python`:
+    the interpreter of the build to run (another checkout's venv, to compare two builds)."""
     port, d = free_port(), tmp / name.replace(" ", "_")
     d.mkdir()
     store = {"url": f"sqlite:///{d}/t.db", "auto_upgrade": True, "spool_dir": str(d / "spool")}
@@ -157,7 +160,7 @@ def start_specgate(name: str, stub: str, tmp: Path, workers: int, telemetry: boo
         "telemetry": store if telemetry else {"enabled": False},
     }
     (d / "specgate.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--config", str(d / "specgate.json")]
+    cmd = [python, "-m", "specgate.gateway.cli.main", "serve", "--config", str(d / "specgate.json")]
     target = start(name, [*cmd, "--workers", str(workers)], f"http://127.0.0.1:{port}", "/readyz", tmp)
     target.metrics = True
     return target

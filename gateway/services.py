@@ -10,7 +10,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.backends.upstream.client import UpstreamClient
@@ -35,7 +34,7 @@ from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
-from specgate.policies.load import BackendLoad, LoadSignals
+from specgate.policies.load import BackendLoad, Load
 
 logger = logging.getLogger("specgate.gateway")
 
@@ -229,8 +228,8 @@ class Services:
         """Set the load and health gauges from their sources; called when /metrics is scraped."""
         self.metrics.refresh_backends(self.registry.status())
         embedded = self.registry.embedded
-        if embedded is not None and embedded.worker is not None:
-            w = embedded.worker
+        if embedded is not None and embedded.client is not None:
+            w = embedded.client
             self.metrics.refresh_engine(
                 w.num_waiting, w.load.num_running, w.load.kv_usage, w.load.kv_blocks_used
             )
@@ -257,17 +256,18 @@ class Services:
             return key_id
         return f"addr:{addr}"
 
-    def load_signals(self) -> LoadSignals:
+    def load_signals(self) -> Load:
         """What the routing policy reads of the current load."""
         backends = {
             b.name: BackendLoad(getattr(b, "in_flight", 0), getattr(b, "latency_ewma_ms", None), b.healthy)
             for b in self.registry
         }
         embedded = self.registry.embedded
-        if embedded is None or embedded.worker is None:
-            return LoadSignals(backends=backends)
-        w = embedded.worker
-        return LoadSignals(
+        if embedded is None or embedded.client is None:
+            return Load(backends=backends)
+        w = embedded.client
+        return Load(
+            engine=True,
             queue_depth=w.num_waiting,
             running=w.load.num_running,
             batch_tokens=w.load.batch_tokens,
@@ -275,15 +275,6 @@ class Services:
             step_ms=w.load.step_time * 1e3,
             backends=backends,
         )
-
-    def load_snapshot(self, load: LoadSignals) -> dict[str, Any]:
-        """`load` as the request's record keeps it (the columns of its row)."""
-        out: dict[str, Any] = {}
-        embedded = self.registry.embedded
-        if embedded is not None and embedded.worker is not None:
-            out.update(queue_depth=load.queue_depth, running=load.running, kv_usage=round(load.kv_usage, 4))
-        out["backend_in_flight"] = {name: b.in_flight for name, b in load.backends.items()}
-        return out
 
 
 def salted(scope: str, cache_salt: str) -> str:

@@ -28,7 +28,7 @@ class EmbeddedSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
-    name: str = "embedded"
+    name: str = Field("embedded", min_length=1, max_length=128, pattern=r"^[^:\s]+$")  # see BackendSettings
     model: str | None = None
     gguf_file: str | None = None
     served_model_name: str | None = None  # default: the model's own name
@@ -106,7 +106,8 @@ class BackendSettings(BaseModel):
     """An external OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, Ollama, another specgate)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
+    # A routing arm is "<backend>:<method>": a name with a colon could not be told apart.
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^:\s]+$")
     base_url: str  # up to and including /v1, e.g. http://127.0.0.1:8001/v1
     api_key: SecretStr | None = None
     # Public model name -> the backend's own name; a list entry serves a model under its own name.

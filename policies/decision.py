@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specgate.policies.arms import Arm
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 
 
 @dataclass(slots=True)
@@ -14,7 +14,7 @@ class DecisionContext:
     label: str  # workload class
     confidence: float
     features: dict[str, float]  # request features (policies.features.request_features)
-    load: LoadSignals
+    load: Load
     arms: list[Arm]  # what may serve this request, preferred backend first
 
     def __post_init__(self) -> None:

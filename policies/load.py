@@ -1,4 +1,8 @@
-"""Load signals at decision time: the embedded engine's batch and each external backend's state."""
+"""The load at decision time: the embedded engine's batch and each external backend's state.
+
+The router reads it, the request's record keeps it (its row's load columns come from it), and
+offline evaluation rebuilds its engine part from a row's features.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +18,14 @@ class BackendLoad:
 
 
 @dataclass(slots=True)
-class LoadSignals:
+class Load:
     queue_depth: int = 0  # embedded requests waiting for a batch slot
     running: int = 0  # embedded sequences in the running batch
     batch_tokens: int = 0  # tokens the last engine step produced
     kv_usage: float = 0.0  # share of KV blocks in use
     step_ms: float = 0.0  # the last engine step's wall time
     backends: dict[str, BackendLoad] = field(default_factory=dict)
+    engine: bool = False  # an embedded engine reported the fields above (else they are zeros)
 
     def __post_init__(self) -> None:
         if min(self.queue_depth, self.running, self.batch_tokens) < 0 or self.step_ms < 0:
@@ -43,7 +48,7 @@ class LoadSignals:
         }
 
     @classmethod
-    def from_features(cls, features: dict[str, float]) -> LoadSignals:
+    def from_features(cls, features: dict[str, float]) -> Load:
         """The embedded part of the load back from a telemetry row's features (offline evaluation)."""
         return cls(
             queue_depth=int(features.get("load_queue", 0)),

@@ -37,9 +37,9 @@ from specgate.gateway.engine_core.messages import (
     AbortRequest,
     AddRequest,
     Batch,
+    EngineLoad,
     EngineUnavailable,
     Item,
-    Load,
     LoadFailed,
     Request,
     Shutdown,
@@ -58,7 +58,7 @@ class EngineLoadFailed(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self) -> None:
-        self.load = Load()
+        self.load = EngineLoad()
         self.state = READY
         self.rebuilds = 0
         self.last_error: str | None = None

@@ -31,9 +31,9 @@ from specgate.gateway.engine_core.messages import (
     AbortRequest,
     AddRequest,
     Batch,
+    EngineLoad,
     EngineUnavailable,
     Item,
-    Load,
     Request,
     Shutdown,
 )
@@ -41,7 +41,7 @@ from specgate.gateway.engine_core.messages import (
 if TYPE_CHECKING:
     from specgate.engine.engine import Engine
 
-logger = logging.getLogger("specgate.engine_worker")
+logger = logging.getLogger("specgate.engine_core")
 IDLE_WAIT = 0.5  # seconds an idle loop waits for a request before it looks at `stopping` again
 
 
@@ -67,7 +67,7 @@ class EngineCore:
     ) -> None:
         self.engine = engine
         self.factory = factory
-        self.load = Load()
+        self.load = EngineLoad()
         self.state = READY
         self.last_error: str | None = None
         self.rebuilds = 0
@@ -118,9 +118,9 @@ class EngineCore:
         try:
             stats = self.engine.stats()
         except Exception:
-            self.load = Load()
+            self.load = EngineLoad()
             return
-        self.load = Load(
+        self.load = EngineLoad(
             stats.num_waiting,
             stats.num_running,
             stats.kv_usage,
@@ -183,7 +183,7 @@ class EngineCore:
             self._step_failures = self.engine.consecutive_forward_failures = 0
             return
         self.state = REBUILDING
-        self.load = Load()
+        self.load = EngineLoad()
         self._send([(rid, unavailable) for rid in held], 0)
         # Let the broken engine (weights, KV pool) go before the new one is built beside it.
         self.engine = cast("Engine", None)

@@ -72,7 +72,7 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Load:
+class EngineLoad:
     """The engine's load as of its last step."""
 
     num_waiting: int = 0
@@ -90,7 +90,7 @@ class Batch:
 
     deliveries: list[tuple[str, Item]]
     taken: int  # submissions the engine took (admitted or refused) since the last batch
-    load: Load
+    load: EngineLoad
     state: str = READY
     rebuilds: int = 0
     last_error: str | None = None

@@ -39,7 +39,7 @@ async def handle(
     ctx, caller = tracker.context, tracker.caller
     assert caller is not None  # the route checks the key before the body
     load = svc.load_signals()  # one snapshot: what the record keeps is what the policy saw
-    tracker.stream, tracker.load = bool(parsed.stream), svc.load_snapshot(load)
+    tracker.stream, tracker.load = bool(parsed.stream), load
     streaming = False
     try:
         decision = tracker.decision = svc.router.route(parsed, load)

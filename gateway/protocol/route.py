@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.policies.arms import OFF, UPSTREAM, Arm
 
 
 @dataclass(slots=True)
@@ -36,8 +37,8 @@ class RouteDecision:
 
     def served_by(self, backend: str, external: bool) -> None:
         self.backend, self.external = backend, external
-        method = "upstream" if external else (self.spec.method if self.spec is not None else "off")
-        self.arm = f"{backend}:{method}"
+        method = UPSTREAM if external else (self.spec.method if self.spec is not None else OFF)
+        self.arm = Arm(backend, method).key
         if self.affinity is not None:
             # A hit: the conversation's home replica served it (no spill for load, no failover).
             home = self.affinity.get("home")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from specgate.gateway.backends.base import BackendCall, Observation
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.request.context import Caller, RequestContext
 from specgate.gateway.telemetry.records import RequestRecord
+from specgate.policies.load import Load
 
 Outcome = Literal["ok", "error", "cancelled"]
 
@@ -28,7 +29,7 @@ class RequestTracker:
     model: str = "unknown"  # the body's `model` as sent, known even when the body is refused
     body_bytes: int = 0
     stream: bool = False
-    load: dict[str, Any] = field(default_factory=dict)  # the load the router saw, as the row keeps it
+    load: Load | None = None  # the load the router saw
     decision: RouteDecision | None = None
     call: BackendCall | None = None
     overhead_ms: float | None = None  # gateway time before the backend was called

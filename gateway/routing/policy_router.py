@@ -23,7 +23,7 @@ from specgate.policies.arms import OFF, UPSTREAM, Arm
 from specgate.policies.classifier import Classification, WorkloadClassifier
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.features import request_features
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class Plan:
     route: RouteDecision
     decision: Decision
     classification: Classification
-    load: LoadSignals
+    load: Load
     arms: list[Arm]
 
     def explain(self) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class PolicyRouter:
         self.allowed = allowed_methods(settings)
         self.affinity = Affinity(settings, registry)
 
-    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: Load) -> RouteDecision:
         return self.plan(request, load).route
 
     def arms(self, names: list[str]) -> list[Arm]:
@@ -80,7 +80,7 @@ class PolicyRouter:
         return out
 
     def plan(
-        self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals, explore: bool = True
+        self, request: ChatCompletionRequest | CompletionRequest, load: Load, explore: bool = True
     ) -> Plan:
         names, why = candidate_backends(self.settings, self.registry, request.model)
         info = request_info(request)

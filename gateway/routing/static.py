@@ -17,11 +17,11 @@ from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing.affinity import Affinity
 from specgate.gateway.settings import Settings
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 
 
 class Router(Protocol):
-    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: Load) -> RouteDecision:
         """`load`: the load at the request's arrival, the same snapshot its record keeps."""
         ...
 
@@ -33,7 +33,7 @@ class StaticRouter:
         self.allowed = allowed_methods(settings)
         self.affinity = Affinity(settings, registry)
 
-    def route(self, request: ChatCompletionRequest | CompletionRequest, load: LoadSignals) -> RouteDecision:
+    def route(self, request: ChatCompletionRequest | CompletionRequest, load: Load) -> RouteDecision:
         names, reason = candidate_backends(self.settings, self.registry, request.model)
         names, choice = self.affinity.arrange(names, request)
         configured = self.settings.routes.get(request.model)

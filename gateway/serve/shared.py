@@ -19,7 +19,7 @@ from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.relay import RecordRelayServer
 from specgate.gateway.telemetry.store import TelemetryStore
 
-logger = logging.getLogger("specgate.workers")
+logger = logging.getLogger("specgate.serve")
 
 
 def start_shared(settings: Settings, run_dir: str) -> tuple[str | None, Any, Callable[[], None]]:

@@ -38,7 +38,7 @@ from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.multiproc import MULTIPROC_ENV, forget_process
 from specgate.gateway.worker_context import WorkerContext
 
-logger = logging.getLogger("specgate.workers")
+logger = logging.getLogger("specgate.serve")
 STABLE_AFTER = 10.0  # seconds a child must have run for its death to be restarted at once
 MAX_BACKOFF = 30.0
 POLL = 0.5  # seconds between looks at the stop flag while nothing ends

@@ -23,7 +23,7 @@ from specgate.gateway.proc_title import name_process
 from specgate.gateway.settings import Settings
 from specgate.gateway.worker_context import WorkerContext
 
-logger = logging.getLogger("specgate.workers")
+logger = logging.getLogger("specgate.serve")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specgate.gateway.protocol.route import RouteDecision
+from specgate.policies.load import Load
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class RequestRecord:
     finished_time: float | None = None
     queue_time_ms: float | None = None
     attempts: int = 0
-    load: dict[str, Any] = field(default_factory=dict)  # load at arrival
+    load: Load | None = None  # what the router saw at arrival
     spec_decoding: dict[str, Any] | None = None
     upstream: dict[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called

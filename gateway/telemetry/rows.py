@@ -25,7 +25,8 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
     route = rec.route.as_dict() if rec.route is not None else {}
     spec_route = route.get("spec") or {}
     spec = rec.spec_decoding or {}
-    in_flight = rec.load.get("backend_in_flight") or {}
+    load = rec.load if rec.load is not None and rec.load.engine else None
+    in_flight = rec.load.backends.get(rec.backend) if rec.load is not None and rec.backend else None
     affinity = route.get("affinity") or {}
     return {
         "request_id": rec.request_id,
@@ -65,10 +66,10 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "workload_class": rec.workload_class,
         "class_confidence": rec.class_confidence,
         "features": rec.features or None,
-        "load_queue_depth": rec.load.get("queue_depth"),
-        "load_running": rec.load.get("running"),
-        "load_kv_usage": rec.load.get("kv_usage"),
-        "load_backend_in_flight": in_flight.get(rec.backend) if rec.backend else None,
+        "load_queue_depth": load.queue_depth if load is not None else None,
+        "load_running": load.running if load is not None else None,
+        "load_kv_usage": round(load.kv_usage, 4) if load is not None else None,
+        "load_backend_in_flight": in_flight.in_flight if in_flight is not None else None,
         "num_drafts": spec.get("num_drafts"),
         "num_draft_tokens": spec.get("num_draft_tokens"),
         "num_accepted_tokens": spec.get("num_accepted_tokens"),

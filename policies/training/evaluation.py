@@ -18,7 +18,7 @@ from specgate.policies.arms import Arm
 from specgate.policies.classes import WORKLOAD_CLASSES
 from specgate.policies.decision import DecisionContext, Policy
 from specgate.policies.goodput import GoodputModel, TrainingRow, vector
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ def row_context(row: TrainingRow, arm_keys: Sequence[str]) -> DecisionContext:
     arms = [logged, *sorted((a for a in others if a.backend == logged.backend), key=lambda a: a.method)]
     arms += [a for a in others if a.backend != logged.backend]
     return DecisionContext(
-        label, max(probs.values()) or 1.0, row.features, LoadSignals.from_features(row.features), arms
+        label, max(probs.values()) or 1.0, row.features, Load.from_features(row.features), arms
     )
 
 

@@ -152,3 +152,13 @@ def test_the_api_key_flag_warns_that_ps_shows_it(tmp_path: Any, caplog: pytest.L
         got = [k.key.get_secret_value() for k in serve_settings(args).api_keys]
     assert got == ["sk-flag", "sk-file"]
     assert "`ps` shows it" in caplog.text and "sk-flag" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["vllm:eagle", "two words", ""])
+def test_a_backend_name_that_could_not_name_an_arm_is_refused(name: str) -> None:
+    """Arms are "<backend>:<method>": a colon (or a space) in a backend's name is refused at start,
+    never met by the router."""
+    with pytest.raises(ValidationError, match="name"):
+        Settings(backends=[{"name": name, "base_url": "http://127.0.0.1:9/v1"}])
+    with pytest.raises(ValidationError, match="name"):
+        Settings(embedded={"name": name})

@@ -9,7 +9,7 @@ from specgate.policies.decision import DecisionContext
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, vector
 from specgate.policies.learned_policy import LearnedPolicy
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
 from specgate.policies.training.retrain import InsufficientData, retrain
@@ -20,7 +20,7 @@ ARMS = [Arm("embedded", "off"), Arm("embedded", "ngram")]
 
 def ctx(label: str, running: int = 0, seed: int = 0) -> DecisionContext:
     feats = synth.features(label, running, random.Random(seed))
-    return DecisionContext(label, 0.9, feats, LoadSignals.from_features(feats), list(ARMS))
+    return DecisionContext(label, 0.9, feats, Load.from_features(feats), list(ARMS))
 
 
 @pytest.fixture(scope="module")

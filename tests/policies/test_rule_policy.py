@@ -7,17 +7,17 @@ import pytest
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.load import BackendLoad, LoadSignals
+from specgate.policies.load import BackendLoad, Load
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
 
 EMBEDDED = [Arm("embedded", "off"), Arm("embedded", "ngram"), Arm("embedded", "suffix")]
 
 
-def ctx(label: str, conf: float = 0.95, temperature: float = 0.0, load: LoadSignals | None = None,
+def ctx(label: str, conf: float = 0.95, temperature: float = 0.0, load: Load | None = None,
         arms: list[Arm] | None = None, tools: bool = False) -> DecisionContext:  # fmt: skip
     feats = {"temperature": temperature, "tools_or_json": float(tools)}
-    return DecisionContext(label, conf, feats, load or LoadSignals(), arms or list(EMBEDDED))
+    return DecisionContext(label, conf, feats, load or Load(), arms or list(EMBEDDED))
 
 
 def decide(c: DecisionContext, rules: RuleConfig | None = None) -> str:
@@ -43,12 +43,9 @@ def test_high_temperature_open_chat_does_not_speculate() -> None:
 
 
 def test_large_batch_turns_speculation_off() -> None:
-    assert decide(ctx("code", load=LoadSignals(running=12, queue_depth=4))) == "embedded:off"
-    assert decide(ctx("code", load=LoadSignals(running=12, queue_depth=3))) == "embedded:ngram"
-    assert (
-        decide(ctx("code", load=LoadSignals(running=100)), RuleConfig(max_batch_for_spec=0))
-        == "embedded:ngram"
-    )
+    assert decide(ctx("code", load=Load(running=12, queue_depth=4))) == "embedded:off"
+    assert decide(ctx("code", load=Load(running=12, queue_depth=3))) == "embedded:ngram"
+    assert decide(ctx("code", load=Load(running=100)), RuleConfig(max_batch_for_spec=0)) == "embedded:ngram"
 
 
 def test_structured_output_never_takes_an_unsafe_method() -> None:
@@ -69,7 +66,7 @@ def test_low_confidence_uses_the_uncertain_rule() -> None:
 def test_external_backend_decides_its_own_speculation_and_unhealthy_ones_are_skipped() -> None:
     arms = [Arm("vllm", "upstream"), *EMBEDDED]
     assert decide(ctx("code", arms=arms)) == "vllm:upstream"
-    sick = LoadSignals(backends={"vllm": BackendLoad(healthy=False)})
+    sick = Load(backends={"vllm": BackendLoad(healthy=False)})
     assert decide(ctx("code", arms=arms, load=sick)) == "embedded:ngram"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
@@ -71,7 +71,7 @@ def pays(batch: int, p: float, k_max: int) -> bool:
 
 
 def ctx(label: str, batch: int) -> DecisionContext:
-    return DecisionContext(label, 0.95, {"temperature": 0.0}, LoadSignals(running=batch), list(ARMS))
+    return DecisionContext(label, 0.95, {"temperature": 0.0}, Load(running=batch), list(ARMS))
 
 
 def test_the_policy_follows_the_measured_crossover_not_the_constant() -> None:

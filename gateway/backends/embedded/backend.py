@@ -46,7 +46,7 @@ class EmbeddedBackend:
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
         self.served_name = settings.served_model_name or source.name
         # The client of the engine core: on a thread here, or shared by the workers of `serve`.
-        self.worker: EngineCoreClient | None = None
+        self.client: EngineCoreClient | None = None
         self.model: ModelInfo | None = None  # what requests are validated and tokenized against
         self.load_error: str | None = None
         self.restarts = 0  # engine threads replaced, or core connections remade, after they ended
@@ -61,17 +61,17 @@ class EmbeddedBackend:
     @property
     def engine(self) -> Engine | None:
         """The engine object, in process only (the shared core's lives in another process)."""
-        return self.worker.engine if isinstance(self.worker, InprocClient) else None
+        return self.client.engine if isinstance(self.client, InprocClient) else None
 
     def model_ids(self) -> list[str]:
         return [self.served_name, *self.settings.aliases]
 
     @property
     def healthy(self) -> bool:
-        return self.worker is not None and self.worker.ready
+        return self.client is not None and self.client.ready
 
     def status(self) -> dict[str, Any]:
-        w = self.worker
+        w = self.client
         if w is not None:
             state = w.state if w.alive else "restarting"
         else:
@@ -102,7 +102,7 @@ class EmbeddedBackend:
 
     async def _load(self) -> None:
         try:
-            self.worker = await self._start_worker()
+            self.client = await self._connect()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("embedded engine failed to load")
@@ -114,19 +114,19 @@ class EmbeddedBackend:
             "embedded engine ready: %s (%s on %s, %s)", self.served_name, info.dtype, info.device, where
         )
 
-    async def _start_worker(self) -> EngineCoreClient:
+    async def _connect(self) -> EngineCoreClient:
         """A client of a loaded engine core (first start, and every restart after one ended)."""
         loop = asyncio.get_running_loop()
-        worker: EngineCoreClient
+        client: EngineCoreClient
         if self.engine_socket is not None:
-            worker, info = await connect(self.engine_socket, loop)
+            client, info = await connect(self.engine_socket, loop)
         else:
-            worker, info = await start_in_process(self._build, loop)
+            client, info = await start_in_process(self._build, loop)
         self.model, self.methods = info, info.methods
         # One cache per model load: logprobs name the same tokens request after request.
         tokenizer = info.tokenizer
         self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
-        return worker
+        return client
 
     async def _watch(self, interval: float = 0.5) -> None:
         """If the engine core's thread, or the connection to the shared core, ever ends on its own,
@@ -135,13 +135,13 @@ class EmbeddedBackend:
         backoff = 1.0
         while not self._closing:
             await asyncio.sleep(interval)
-            w = self.worker
+            w = self.client
             if w is None or w.alive or self._closing:
                 continue
             logger.error("the embedded engine core ended; starting a new one")
             w.fail_waiters(EngineUnavailable("the embedded engine restarted"))
             try:
-                worker = await self._start_worker()
+                client = await self._connect()
             except Exception as exc:
                 self.load_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("restarting the embedded engine failed; retrying in %.0f s", backoff)
@@ -151,7 +151,7 @@ class EmbeddedBackend:
             backoff = 1.0
             self.load_error = None
             self.restarts += 1
-            self.worker = worker
+            self.client = client
 
     async def close(self) -> None:
         self._closing = True
@@ -160,13 +160,13 @@ class EmbeddedBackend:
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.wait([task])
-        if self.worker is not None:
-            await self.worker.close()
+        if self.client is not None:
+            await self.client.close()
 
     # ---- serving ------------------------------------------------------------------------------
 
-    def _ready_worker(self, tenant: str = "") -> EngineCoreClient:
-        w = self.worker
+    def _ready_client(self, tenant: str = "") -> EngineCoreClient:
+        w = self.client
         if w is None or not w.ready:
             if w is not None:
                 msg = "the embedded engine is restarting after a failure"
@@ -193,21 +193,21 @@ class EmbeddedBackend:
         return held[tenant] < capacity / tenants
 
     async def _submit(self, call: BackendCall) -> tuple[Prepared, asyncio.Queue[Any]]:
-        worker = self._ready_worker(call.tenant)
+        client = self._ready_client(call.tenant)
         model = self.model
-        assert model is not None  # set before any worker is
+        assert model is not None  # set before any client is
         # What rendering and tokenizing may cost grows with the body as sent (everything the chat
         # template renders is in it); requests made without one are measured field by field.
         size = call.body_bytes or prompt_chars(call.request)
         if size > TOKENIZE_OFF_LOOP_CHARS:
             prep = await asyncio.to_thread(prepare, call, model)  # a big request: off the loop
-            worker = self._ready_worker(call.tenant)
+            client = self._ready_client(call.tenant)
         else:
             prep = prepare(call, model)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
-        q = worker.submit(
+        q = client.submit(
             call.engine_id,
             prep.prompt_ids,
             prep.params,
@@ -257,8 +257,8 @@ class EmbeddedBackend:
                 if finished:
                     return
         finally:
-            if not finished and self.worker is not None:
-                self.worker.abort(call.engine_id)  # client gone or cancelled: free the KV blocks now
+            if not finished and self.client is not None:
+                self.client.abort(call.engine_id)  # client gone or cancelled: free the KV blocks now
 
     def _observe_final(self, call: BackendCall, out: RequestOutput) -> None:
         obs = call.observed

@@ -16,8 +16,8 @@ from specgate.gateway.engine_core.messages import (
     AbortRequest,
     AddRequest,
     Batch,
+    EngineLoad,
     Item,
-    Load,
     Request,
     Shutdown,
 )
@@ -106,6 +106,6 @@ def test_messages_are_validated_when_made() -> None:
     with pytest.raises(ValueError, match="request_id"):
         AddRequest("", [1], SamplingParams(max_tokens=1), None)
     with pytest.raises(ValueError, match="state"):
-        Batch([], 0, Load(), state="sleeping")
+        Batch([], 0, EngineLoad(), state="sleeping")
     with pytest.raises(ValueError, match="taken"):
-        Batch([], -1, Load())
+        Batch([], -1, EngineLoad())

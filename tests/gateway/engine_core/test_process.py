@@ -85,7 +85,7 @@ def _backend(served: Served) -> EmbeddedBackend:
 
 
 def _client(served: Served) -> SocketClient:
-    worker = _backend(served).worker
+    worker = _backend(served).client
     assert isinstance(worker, SocketClient)
     return worker
 
@@ -174,7 +174,7 @@ def test_a_killed_core_is_a_retryable_503_and_the_gateway_reconnects_to_its_repl
     served.core.reap()  # what the serve supervisor does (serve/supervisor.py), then starts another
     assert killed.exitcode == -signal.SIGKILL  # reaped: no zombie
     served.core.start()
-    assert wait_for(lambda: backend.worker is not client and backend.healthy, 60)
+    assert wait_for(lambda: backend.client is not client and backend.healthy, 60)
     assert httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS).status_code == 200 and backend.restarts == 1
     ok = httpx.post(f"{live.url}/v1/chat/completions", json=_body(model_name, max_tokens=5), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5

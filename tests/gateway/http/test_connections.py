@@ -150,7 +150,7 @@ def test_a_slow_body_never_holds_an_engine_slot(guarded: LiveGateway) -> None:
         b"content-length: 100000\r\n\r\n{"
     )
     time.sleep(0.2)
-    worker = guarded.services.registry.embedded.worker  # type: ignore[union-attr]
+    worker = guarded.services.registry.embedded.client  # type: ignore[union-attr]
     assert worker is not None and worker.num_waiting == 0 and worker.load.num_running == 0
     _read_all(s)
 
@@ -196,7 +196,7 @@ def test_connections_busy_with_a_request_are_never_closed_for_a_newcomer(
         threads = [threading.Thread(target=stream) for _ in range(2)]
         for t in threads:
             t.start()
-        worker = live.services.registry.embedded.worker  # type: ignore[union-attr]
+        worker = live.services.registry.embedded.client  # type: ignore[union-attr]
         assert wait_for(lambda: worker is not None and worker.load.num_running == 2, 20)
         with pytest.raises(httpx.TransportError):  # both connections are busy: the newcomer is closed
             httpx.get(f"{live.url}/healthz", timeout=5)

@@ -183,7 +183,7 @@ def narrow(tiny_llama_dir: Path) -> Iterator[LiveGateway]:
 def test_overload_is_503_with_retry_after(
     narrow: LiveGateway, model_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = narrow.services.registry.embedded.worker  # type: ignore[union-attr]
+    worker = narrow.services.registry.embedded.client  # type: ignore[union-attr]
     real_step = worker.engine.step
 
     def slow_step():  # type: ignore[no-untyped-def]

@@ -69,7 +69,7 @@ def _hog(live: LiveGateway, n: int, tokens: int) -> tuple[list[threading.Thread]
 
 def test_a_key_over_its_cap_gets_429_with_retry_after_and_others_do_not(tenants: LiveGateway) -> None:
     threads, statuses = _hog(tenants, 16, 120)  # more than its 12 in flight
-    worker = tenants.services.registry.embedded.worker  # type: ignore[union-attr]
+    worker = tenants.services.registry.embedded.client  # type: ignore[union-attr]
     assert wait_for(lambda: worker is not None and worker.load.num_running == 4, 30)
     assert wait_for(lambda: statuses.count(429) >= 4, 30)
     refused = _post(tenants, HOG, 2)
@@ -91,7 +91,7 @@ def test_a_key_over_its_cap_gets_429_with_retry_after_and_others_do_not(tenants:
 
 def test_the_victims_short_request_overtakes_the_hogs_queue(tenants: LiveGateway) -> None:
     threads, statuses = _hog(tenants, 12, 150)  # every batch slot and the whole queue
-    worker = tenants.services.registry.embedded.worker  # type: ignore[union-attr]
+    worker = tenants.services.registry.embedded.client  # type: ignore[union-attr]
     assert wait_for(lambda: worker is not None and worker.num_waiting >= 8, 30)
     start = time.monotonic()
     r = _post(tenants, VICTIM, 2)  # the queue is full, but not with the victim's requests

@@ -16,7 +16,7 @@ from pathlib import Path
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
 from specgate.engine.sampling_params import SamplingParams
-from specgate.gateway.engine_core.messages import Batch, EngineUnavailable, Item, Load
+from specgate.gateway.engine_core.messages import Batch, EngineLoad, EngineUnavailable, Item
 from specgate.gateway.engine_core.model_info import ModelInfo
 
 
@@ -28,7 +28,7 @@ def test_the_supervisor_and_a_worker_import_no_torch(
     outputs = engine.step()
     deliveries: list[tuple[str, Item]] = [(o.request_id, o) for o in outputs]
     deliveries += [("x", RequestError("too long")), ("y", EngineUnavailable("rebuilding"))]
-    batch = Batch(deliveries, 1, Load(num_running=1))
+    batch = Batch(deliveries, 1, EngineLoad(num_running=1))
     messages = tmp_path / "from_the_core.pickle"
     messages.write_bytes(pickle.dumps([ModelInfo.of(engine), batch]))
     script = textwrap.dedent(

@@ -25,6 +25,7 @@ from specgate.gateway.telemetry.rows import request_row
 from specgate.gateway.telemetry.spool import Spool
 from specgate.gateway.telemetry.tables import requests, spec_steps, telemetry_quarantine
 from specgate.gateway.telemetry.writer import TelemetryWriter
+from specgate.policies.load import BackendLoad, Load
 
 
 def record(i: int, **kw: Any) -> RequestRecord:
@@ -53,7 +54,9 @@ def record(i: int, **kw: Any) -> RequestRecord:
         "finished_time": time.time(),
         "spec_decoding": spec,
         "spec_steps": [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)],  # the second a tree of 3 nodes, 2 deep
-        "load": {"queue_depth": 1, "running": 3, "kv_usage": 0.25, "backend_in_flight": {"embedded": 2}},
+        "load": Load(
+            engine=True, queue_depth=1, running=3, kv_usage=0.25, backends={"embedded": BackendLoad(2)}
+        ),
     }
     return RequestRecord(f"req-{i}", "chat", "m", arrival_time=received, stream=False, **(fields | kw))
 

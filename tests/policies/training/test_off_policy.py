@@ -13,7 +13,7 @@ from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, TrainingRow
 from specgate.policies.learned_policy import LearnedPolicy
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
 from specgate.policies.training.off_policy import compare, doubly_robust, ips, reward_model, snips, terms
@@ -25,7 +25,7 @@ NOISE = 0.1  # synthetic rows: log-normal noise on goodput (synth.rows)
 
 def ctx(label: str, arms: list[str], running: int = 4) -> DecisionContext:
     feats = synth.features(label, running, random.Random(1))
-    return DecisionContext(label, 0.95, feats, LoadSignals(running=running), [Arm.parse(a) for a in arms])
+    return DecisionContext(label, 0.95, feats, Load(running=running), [Arm.parse(a) for a in arms])
 
 
 def frequencies(

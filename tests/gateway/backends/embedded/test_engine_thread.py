@@ -39,14 +39,14 @@ def _chat(live: LiveGateway, model: str) -> httpx.Response:
 
 def _embedded(live: LiveGateway) -> EmbeddedBackend:
     backend = live.services.registry.embedded
-    assert backend is not None and isinstance(backend.worker, InprocClient)  # thread mode: faults injected
+    assert backend is not None and isinstance(backend.client, InprocClient)  # thread mode: faults injected
     return backend
 
 
 def test_a_broken_engine_is_rebuilt_and_readyz_says_so(live: LiveGateway, tiny_llama_dir: Path) -> None:
     model = tiny_llama_dir.name
     backend = _embedded(live)
-    worker = backend.worker
+    worker = backend.client
     assert isinstance(worker, InprocClient)
 
     def broken(*_: object) -> None:
@@ -79,7 +79,7 @@ def test_a_broken_engine_is_rebuilt_and_readyz_says_so(live: LiveGateway, tiny_l
 def test_a_dead_engine_thread_is_replaced(live: LiveGateway, tiny_llama_dir: Path) -> None:
     model = tiny_llama_dir.name
     backend = _embedded(live)
-    old = backend.worker
+    old = backend.client
     assert isinstance(old, InprocClient)
 
     def die(*_: object) -> None:
@@ -91,7 +91,7 @@ def test_a_dead_engine_thread_is_replaced(live: LiveGateway, tiny_llama_dir: Pat
         "engine_restarting",
         "model_not_ready",
     )
-    assert wait_for(lambda: backend.worker is not old and backend.healthy, 30)
+    assert wait_for(lambda: backend.client is not old and backend.healthy, 30)
     assert _chat(live, model).status_code == 200
     assert (
         httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS).status_code == 200

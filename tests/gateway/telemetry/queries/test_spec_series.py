@@ -9,7 +9,7 @@ import re
 from specgate.gateway.telemetry.queries.spec_series import LOAD_OFF_MARK
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
-from specgate.policies.load import LoadSignals
+from specgate.policies.load import Load
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
 
@@ -21,7 +21,7 @@ def like(pattern: str, text: str) -> bool:
 
 def decide(running: int, waiting: int) -> str:
     arms = [Arm("embedded", "off"), Arm("embedded", "ngram")]
-    ctx = DecisionContext("code", 0.95, {"temperature": 0.0}, LoadSignals(waiting, running), arms)
+    ctx = DecisionContext("code", 0.95, {"temperature": 0.0}, Load(waiting, running), arms)
     decision = RulePolicy(RuleConfig(max_batch_for_spec=4, exploration_rate=0.0)).decide(ctx, explore=False)
     return decision.reason if decision.arm.method == "off" else ""
 
