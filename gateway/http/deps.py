@@ -51,8 +51,8 @@ async def api_key(request: Request, svc: ServicesDep) -> Caller:
 
 
 def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str) -> None:
-    """Take one of `key`'s in-flight slots until the request ends (the middleware releases what is
-    listed in `state.held`), or refuse the request with a 429."""
+    """Take one of `key`'s in-flight slots until the request ends (`state.held`: released once the
+    client has its answer, `limits.limiters.release`), or refuse the request with a 429."""
     if not counts.acquire(key, limit):
         raise too_many_in_flight(what, limit)
     held = getattr(request.state, "held", None)

@@ -10,7 +10,7 @@ leaves before its body is in is a client disconnect (499), not an error of ours.
 For the inference routes it also makes the request's context and its tracker before anything can
 fail (`state.tracker`: the stages fill their parts of it), and when the request ends it has the
 one record built from the status actually sent and submitted exactly once; and it releases the
-in-flight slots the request held (`state.held`, deps.hold).
+in-flight slots the request still holds (`state.held`, deps.hold).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from specgate.gateway.http.auth import (
 )
 from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
+from specgate.gateway.limits.limiters import release
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.request.context import Endpoint, RequestContext
 from specgate.gateway.request.tracker import RequestTracker
@@ -179,13 +180,13 @@ class GatewayMiddleware:
                 logger.exception("unhandled error on %s", scope.get("path"))
             if tracker is not None:
                 tracker.refused(error.code)
+            release(state.get("held"))  # before the client can read the refusal and ask again
             await self._send_error(error, send_with_id)
         except BaseException as exc:  # cancelled: the record still lands
             escaped = exc
             raise
         finally:
-            for counts, key in state.get("held", ()):
-                counts.release(key)
+            release(state.get("held"))
             status = sent[0] if sent else None
             if services is not None:
                 if status in REFUSALS:

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from specgate.gateway.backends.base import Backend, BackendCall, Kind, RelayedChunk
 from specgate.gateway.http.responses import SafeJSONResponse
 from specgate.gateway.http.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from specgate.gateway.limits.limiters import Held, release
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.request.tracker import RequestTracker
@@ -59,11 +60,12 @@ async def handle(
         )
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
         tracker.overhead_ms = (time.perf_counter() - ctx.arrival_perf) * 1e3
+        held = getattr(request.state, "held", None)
         if parsed.stream:
             first, rest, backend = await until_disconnect(request, dispatch.open_stream(call, candidates))
             external = _note_failover(svc, call, backend, decision.backends)
             streaming = True
-            done = _Closer(tracker, rest)
+            done = _Closer(tracker, rest, held)
             return EventStreamResponse(
                 _events(svc, tracker, call, first, rest, external, done), on_close=done
             )
@@ -71,6 +73,7 @@ async def handle(
         if _note_failover(svc, call, backend, decision.backends):
             # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
             body["metrics"] = _external_metrics(call, body.get("metrics"))
+        release(held)  # the answer is made: the client may send its next request as it reads it
         return SafeJSONResponse(body)
     except ClientDisconnected:
         tracker.cancelled()
@@ -103,12 +106,14 @@ async def _events(
                 yield chunk.event if isinstance(chunk, RelayedChunk) else sse(chunk)
             chunk = await anext(rest, None)
         done.completed = True  # everything is out but the end marker
+        release(done.held)  # before the client reads the end and sends its next request
         yield DONE
     except GatewayError as err:
         error = err.for_client(svc.settings.retry_after_seconds)
         tracker.failed(error.code or "backend_error")
         logger.warning("stream %s failed after it started: %s", call.request_id, err.message)
         done.completed = True
+        release(done.held)
         yield error.sse_event()
     except (asyncio.CancelledError, GeneratorExit):
         tracker.cancelled()
@@ -117,6 +122,7 @@ async def _events(
         logger.exception("stream %s failed after it started", call.request_id)
         tracker.failed("internal_error")
         done.completed = True
+        release(done.held)
         yield GatewayError(500, "internal server error", code="internal_error").sse_event()
     finally:
         await done()
@@ -144,8 +150,9 @@ class _Closer:
     """Ends a stream's backend side once, whichever runs first: the event generator's `finally`, or
     the response's `on_close` when the generator never started."""
 
-    def __init__(self, tracker: RequestTracker, rest: AsyncIterator[Any]) -> None:
+    def __init__(self, tracker: RequestTracker, rest: AsyncIterator[Any], held: Held | None) -> None:
         self.tracker, self.rest, self.done = tracker, rest, False
+        self.held = held  # the request's in-flight slots, given back when the stream ends
         self.completed = False  # the stream reached its end ([DONE] or an error event)
 
     async def __call__(self) -> None:

@@ -161,6 +161,18 @@ class ConcurrencyLimiter:
         return self.counts[key]
 
 
+Held = list[tuple[Concurrency, str]]  # the in-flight slots one request holds: (counts, key)
+
+
+def release(held: Held | None) -> None:
+    """Give back every slot in `held`, emptying it, so that whoever ends the request first frees
+    them once: the answer or a stream's last event (before the client can send its next request),
+    an error answer, or the middleware when the request is over, whatever happened."""
+    while held:
+        counts, key = held.pop()
+        counts.release(key)
+
+
 def too_many_in_flight(what: str, limit: int, retry_after: float = 1.0) -> GatewayError:
     return GatewayError(
         429,

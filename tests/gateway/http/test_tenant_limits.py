@@ -154,3 +154,32 @@ def test_in_process_counts_go_back_to_nothing() -> None:
     for key in ("a", "a", "b"):
         c.release(key)
     assert c.counts == {}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_at_its_cap_is_never_refused_for_answers_it_already_has(stream: bool) -> None:
+    """Clients that each wait for their answer before sending the next hold one slot each: as many
+    clients as the cap allows, back to back, are never refused. A slot is free once the client has
+    the whole answer (the stream's end), not when the server gets round to its bookkeeping."""
+    import asyncio
+
+    from tests.gateway.fake_upstream import FakeUpstream, backend, running_gateway
+
+    clients, cap, each = 24, 24, 15
+    caps = {"max_streams_per_key": cap} if stream else {"max_in_flight_per_key": cap}
+    with FakeUpstream(models=("m",), text="hi") as fake, running_gateway(backend("up", fake), **caps) as live:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        statuses: list[int] = []
+
+        async def client() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=30) as c:
+                for _ in range(each):
+                    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        await r.aread()
+                        statuses.append(r.status_code)
+
+        async def run() -> None:
+            await asyncio.gather(*(client() for _ in range(clients)))
+
+        asyncio.run(run())
+    assert statuses.count(200) == clients * each, sorted(set(statuses))
