@@ -34,7 +34,7 @@ from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
-from specgate.policies.load import BackendLoad, Load
+from specgate.policies.load import Load
 
 logger = logging.getLogger("specgate.gateway")
 
@@ -258,10 +258,7 @@ class Services:
 
     def load_signals(self) -> Load:
         """What the routing policy reads of the current load."""
-        backends = {
-            b.name: BackendLoad(getattr(b, "in_flight", 0), getattr(b, "latency_ewma_ms", None), b.healthy)
-            for b in self.registry
-        }
+        backends = {b.name: b.load() for b in self.registry}
         embedded = self.registry.embedded
         if embedded is None or embedded.client is None:
             return Load(backends=backends)

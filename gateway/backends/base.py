@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.policies.load import BackendLoad
 
 Kind = Literal["chat", "completion"]
 
@@ -90,6 +91,11 @@ class Backend(Protocol):
 
     def status(self) -> dict[str, Any]:
         """Health and load for /readyz and metrics."""
+        ...
+
+    def load(self) -> BackendLoad:
+        """This backend's load as the router reads it: requests this gateway process has in flight
+        there, its recent latency, its health."""
         ...
 
 

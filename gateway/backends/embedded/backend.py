@@ -22,6 +22,7 @@ from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol import openai_format as fmt
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import EmbeddedSettings
+from specgate.policies.load import BackendLoad
 
 if TYPE_CHECKING:  # torch: imported where an engine is built (this process's own, or the core's)
     from specgate.engine.config import EngineConfig
@@ -69,6 +70,11 @@ class EmbeddedBackend:
     @property
     def healthy(self) -> bool:
         return self.client is not None and self.client.ready
+
+    def load(self) -> BackendLoad:
+        """In flight: this process's requests in the engine (its batch and queue: `Load` has them)."""
+        client = self.client
+        return BackendLoad(sum(client.in_engine.values()) if client is not None else 0, None, self.healthy)
 
     def status(self) -> dict[str, Any]:
         w = self.client

@@ -46,6 +46,7 @@ from specgate.gateway.backends.upstream.stats import capture
 from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import BackendSettings
+from specgate.policies.load import BackendLoad
 
 logger = logging.getLogger("specgate.backend")
 
@@ -82,6 +83,9 @@ class OpenAIBackend:
     @property
     def healthy(self) -> bool:
         return self.breaker.state != "open" and self.probe_ok is not False
+
+    def load(self) -> BackendLoad:
+        return BackendLoad(self.in_flight, self.latency_ewma_ms, self.healthy)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -180,3 +180,44 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
         [f"flush-{i}" for i in range(5)] + [f"spooled-{i}" for i in range(5)]
     )
     assert list(spool.glob("spool-*.jsonl")) == []
+
+
+def test_a_record_keeps_the_load_its_route_was_decided_on(tiny_llama_dir: Path) -> None:
+    """While one long stream runs, the next request's record says so: the engine's batch, and one
+    request of this gateway in flight on the embedded backend (its row's load columns)."""
+    import threading
+
+    from specgate.gateway.telemetry.rows import request_row
+    from tests.gateway.live import record_of, wait_for
+
+    live = start_gateway(tiny_settings(str(tiny_llama_dir)))
+    model = tiny_llama_dir.name
+    long = {
+        "model": model,
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        embedded = live.services.registry.embedded
+        assert embedded is not None and embedded.load().in_flight == 0
+        streaming = threading.Thread(
+            target=lambda: httpx.post(f"{live.url}/v1/chat/completions", json=long, timeout=120)
+        )
+        streaming.start()
+        assert wait_for(lambda: embedded.load().in_flight == 1, 30)
+        short = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions", json=short, headers={"x-request-id": "beside"}, timeout=60
+        )
+        assert r.status_code == 200
+        rec = record_of(live, "beside")
+        assert rec is not None and rec.load is not None and rec.load.engine
+        assert rec.load.backends["embedded"].in_flight == 1 and rec.load.running >= 1
+        row = request_row(rec)
+        assert row["load_backend_in_flight"] == 1 and row["load_running"] == rec.load.running
+        streaming.join(120)
+        assert wait_for(lambda: embedded.load().in_flight == 0, 30)
+    finally:
+        live.stop()
