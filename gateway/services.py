@@ -25,8 +25,7 @@ from specgate.gateway.limits.shared import SharedTables, attached
 from specgate.gateway.limits.shared_buckets import SharedRateLimiter
 from specgate.gateway.policy.manager import PolicyManager
 from specgate.gateway.policy.store import MemoryPolicyStore, SqlPolicyStore
-from specgate.gateway.routing.policy_router import PolicyRouter
-from specgate.gateway.routing.static import Router, StaticRouter
+from specgate.gateway.routing.router import Router, RoutingPolicy
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.metrics import Metrics
 from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord
@@ -102,15 +101,14 @@ class Services:
         store = TelemetryStore(settings.telemetry, relay) if settings.telemetry.enabled else None
         shared = attached(worker.shared_limits if worker is not None else None)
         policy: PolicyManager | None = None
-        router: Router
+        routing: RoutingPolicy | None = None
         if settings.policy.enabled:
             path = settings.policy.classifier_path
             classifier = WorkloadClassifier.load(Path(path) if path else DEFAULT_ARTIFACT)
             versions = SqlPolicyStore(store.engine) if store is not None else MemoryPolicyStore()
             policy = PolicyManager(settings.policy, versions, persistent=store is not None)
-            router = PolicyRouter(settings, registry, classifier, policy)
-        else:
-            router = StaticRouter(settings, registry)
+            routing = RoutingPolicy(classifier, policy)
+        router = Router(settings, registry, routing)
         key_ids = KeyIds(gateway_secret(secret_path(settings)))
         in_flight: Concurrency = ConcurrencyLimiter()
         if shared is not None and worker is not None:

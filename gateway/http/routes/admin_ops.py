@@ -13,7 +13,6 @@ from specgate.gateway.http.deps import AdminDep, ServicesDep
 from specgate.gateway.http.openapi import json_body
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
-from specgate.gateway.routing.policy_router import PolicyRouter
 from specgate.gateway.services import Services
 from specgate.gateway.telemetry.queries.stats import window_stats
 
@@ -27,9 +26,6 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 )
 async def explain(request: Request, svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
     body = await parse_admin(request, ChatCompletionRequest)
-    if not isinstance(svc.router, PolicyRouter):
-        decision = svc.router.route(body, svc.load_signals())
-        return {"policy": "static", "route": decision.as_dict()}
     plan = svc.router.plan(body, svc.load_signals(), explore=False)  # no exploration draw, no budget spent
     return plan.explain()
 

@@ -149,7 +149,8 @@ def test_seeded_requests_are_never_explored(
     # Exploration takes a random arm, and a speculative arm samples through rejection sampling:
     # the same seed would then give another answer.
     router = gateway.services.router
-    manager = router.manager  # type: ignore[attr-defined]
+    assert router.policy is not None
+    manager = router.policy.manager
     asked: list[bool] = []
     decide = manager.decide
 

@@ -1,0 +1,220 @@
+"""The router: which backends (in order) serve a request, and how the embedded engine speculates.
+
+One router, with or without a routing policy. With one (`policy.enabled`, the default), it
+classifies the request, reads the load and lets the active policy pick an arm; without, the
+configured routes and speculation settings decide (static routing is the policy switched off).
+Operators keep the last word where they spoke, and `_speculation` is the one place that says how:
+a route's pinned `spec` overrides the policy, a request's own `spec` extension applies on top of
+whatever won (the request is still classified and recorded, so the policy learns from it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.backends.registry import BackendRegistry
+from specgate.gateway.policy.manager import PolicyManager
+from specgate.gateway.protocol.errors import GatewayError
+from specgate.gateway.protocol.route import RouteDecision
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.routing.affinity import Affinity
+from specgate.gateway.routing.request_info import request_info
+from specgate.gateway.settings import Settings
+from specgate.policies.arms import OFF, UPSTREAM, Arm
+from specgate.policies.classifier import Classification, WorkloadClassifier
+from specgate.policies.decision import Decision, DecisionContext
+from specgate.policies.features import request_features
+from specgate.policies.load import Load
+
+Request = ChatCompletionRequest | CompletionRequest
+STATIC = "static"  # the policy label of a route decided without a routing policy
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """What routing by policy needs: the workload classifier and the active policy."""
+
+    classifier: WorkloadClassifier
+    manager: PolicyManager
+
+
+@dataclass(slots=True)
+class Plan:
+    """A route and how it was reached (the policy's part only when a policy decided)."""
+
+    route: RouteDecision
+    load: Load
+    decision: Decision | None = None
+    classification: Classification | None = None
+    arms: list[Arm] = dataclasses.field(default_factory=list)
+
+    def explain(self) -> dict[str, Any]:
+        c, decision = self.classification, self.decision
+        if c is None or decision is None:
+            return {"policy": STATIC, "route": self.route.as_dict()}
+        return {
+            "workload_class": c.label,
+            "class_confidence": round(c.confidence, 4),
+            "class_probs": c.probs,
+            "class_rule": c.rule,
+            "features": self.route.features,
+            "load": self.load.features(),
+            "arms": [a.key for a in self.arms],
+            "predictions": decision.predictions,
+            "decision": decision.as_dict(),
+            "route": self.route.as_dict(),
+        }
+
+
+class Router:
+    def __init__(self, settings: Settings, registry: BackendRegistry, policy: RoutingPolicy | None) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.policy = policy
+        self.allowed = allowed_methods(settings)
+        self.affinity = Affinity(settings, registry)
+
+    def route(self, request: Request, load: Load) -> RouteDecision:
+        """`load`: the load at the request's arrival, the same one its record keeps."""
+        return self.plan(request, load).route
+
+    def plan(self, request: Request, load: Load, explore: bool = True) -> Plan:
+        names, why = candidate_backends(self.settings, self.registry, request.model)
+        if self.policy is None:
+            names, choice = self.affinity.arrange(names, request)
+            spec, policy, reason = self._speculation(request, None, STATIC, why, why)
+            route = RouteDecision(
+                model=request.model,
+                backends=names,
+                spec=spec,
+                policy=policy,
+                reason=reason,
+                affinity=choice.as_dict() if choice is not None else None,
+            )
+            return Plan(route, load)
+        return self._policy_plan(self.policy, request, load, names, why, explore)
+
+    def arms(self, names: list[str]) -> list[Arm]:
+        out: list[Arm] = []
+        embedded = self.registry.embedded
+        for name in names:
+            if embedded is not None and name == embedded.name:
+                out.append(Arm(name, OFF))
+                out.extend(Arm(name, m) for m in self.settings.policy.methods if m in embedded.methods)
+            else:
+                out.append(Arm(name, UPSTREAM))
+        return out
+
+    def _policy_plan(
+        self, policy: RoutingPolicy, request: Request, load: Load, names: list[str], why: str, explore: bool
+    ) -> Plan:
+        info = request_info(request)
+        cls = policy.classifier.classify(info)
+        features = request_features(info, cls.probs)
+        arms = self.arms(names)
+        manager = policy.manager
+        # A seeded request is never explored: the same seed must give the same answer, and a
+        # speculative arm draws its random numbers differently from plain sampling.
+        explore = explore and request.seed is None
+        decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)
+        arm = decision.arm
+        backends = [arm.backend, *(n for n in names if n != arm.backend)]
+        # The policy picks a backend; among its replicas, the conversation's own goes first.
+        backends, choice = self.affinity.arrange(backends, request)
+        chosen: SpecParams | None = None
+        if arm.method != UPSTREAM:
+            chosen = SpecParams(
+                method=arm.method if arm.speculative else OFF,
+                controller=decision.controller,
+                k_min=decision.k_min,
+                k_max=decision.k_max,
+            )
+            if decision.acceptance_prior is not None:  # measured for the class; else the engine's default
+                chosen.acceptance_prior = decision.acceptance_prior
+        spec, label, reason = self._speculation(request, chosen, manager.state.kind, decision.reason, why)
+        route = RouteDecision(
+            model=request.model,
+            backends=backends,
+            spec=spec,
+            policy=label,
+            policy_version=None if manager.version is None else str(manager.version),
+            reason=reason,
+            features={**features, **load.features()},
+            workload_class=cls.label,
+            class_confidence=round(cls.confidence, 4),
+            explored=decision.explored,
+            predictions=decision.predictions,
+            propensity=decision.propensity if label not in ("request", "route") else None,
+            affinity=choice.as_dict() if choice is not None else None,
+        )
+        return Plan(route, load, decision, cls, arms)
+
+    def _speculation(
+        self, request: Request, chosen: SpecParams | None, policy: str, reason: str, why: str
+    ) -> tuple[SpecParams | None, str, str]:
+        """Which speculation setting wins, and who set it (the route's `policy` label) and why.
+
+        From the bottom: without a policy, the route's configured `spec` or else the engine's
+        default (the configuration decides); with one, the policy's choice (None: it sent the
+        request to an external backend, which speculates as it does), unless a route pins `spec`.
+        On top of what won, the request's own `spec` (on the engine's default where what won is
+        off: zero K bounds would silently cancel a method the request asks for)."""
+        configured = self.settings.routes.get(request.model)
+        pinned = configured.spec if configured is not None else None
+        spec = chosen
+        if self.policy is None:
+            spec = pinned if pinned is not None else self.settings.embedded.spec
+        elif pinned is not None:
+            spec, policy, reason = pinned, "route", f"{why}: speculation pinned by the route"
+        if request.spec is not None:
+            base = spec if spec is not None and spec.method != OFF else self.settings.embedded.spec
+            spec = requested_spec(base, request, self.allowed)
+            policy, reason = "request", reason + "; speculation set by the request"
+        return spec, policy, reason
+
+
+def candidate_backends(settings: Settings, registry: BackendRegistry, model: str) -> tuple[list[str], str]:
+    """The backends that may serve `model`, in preference order, and why; 404 if there are none."""
+    configured = settings.routes.get(model)
+    if configured is not None and configured.backends:
+        names, reason = list(configured.backends), "configured route"
+    else:
+        names, reason = [b.name for b in registry.serving(model)], "backends serving the model"
+    if not names:
+        raise GatewayError(
+            404,
+            f"The model `{model}` does not exist or is not served here.",
+            code="model_not_found",
+            param="model",
+        )
+    return names, reason
+
+
+def allowed_methods(settings: Settings) -> frozenset[str]:
+    """Speculation methods a request may ask for: those the operator's policy may choose, and those
+    the operator configured for the engine or a route. Anything else is refused, never run."""
+    methods = {"off", *settings.policy.methods, settings.embedded.spec.method}
+    methods.update(r.spec.method for r in settings.routes.values() if r.spec is not None)
+    return frozenset(methods)
+
+
+def requested_spec(base: SpecParams, request: Request, allowed: frozenset[str]) -> SpecParams:
+    """`base` with the request's own `spec` extension applied; 400 if the result is invalid or asks
+    for a method the operator does not allow."""
+    assert request.spec is not None
+    method = request.spec.method
+    if method is not None and method not in allowed:
+        raise GatewayError(
+            400,
+            f"speculation method {method!r} is not allowed here; allowed: {', '.join(sorted(allowed))}",
+            param="spec.method",
+            code="invalid_spec_method",
+        )
+    overrides = request.spec.model_dump(exclude_none=True)
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as exc:
+        raise GatewayError(400, f"invalid spec: {exc}", param="spec", code="invalid_value") from exc
