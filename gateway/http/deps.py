@@ -16,6 +16,7 @@ from specgate.gateway.http.ui.signin_guard import SignInGuard
 from specgate.gateway.limits.limiters import Concurrency, too_many_in_flight
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.request.context import Caller
+from specgate.gateway.request.tracker import RequestTracker
 from specgate.gateway.services import Services
 
 
@@ -27,12 +28,13 @@ async def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-async def api_key(request: Request, svc: ServicesDep) -> Caller:
-    """The caller (its key's id and its tenant), after checking the key if keys are set, then the rate limit
-    and the tenant's cap on requests in flight: per key when keys are set, per client address in
-    open mode (where any bearer string is accepted, so a client could otherwise mint itself a fresh
-    limit with each request). The request's in-flight slot is released by the middleware when it
-    ends, whatever happens."""
+async def api_key(request: Request, svc: ServicesDep, tracker: RequestTracker | None = None) -> Caller:
+    """The caller (its key's id and its tenant), after checking the key if keys are set, then the
+    rate limit and the tenant's cap on requests in flight: per key when keys are set, per client
+    address in open mode (where any bearer string is accepted, so a client could otherwise mint
+    itself a fresh limit with each request). `tracker` (an inference request's) learns the caller
+    as soon as the key is checked, so a request refused by a limit is still counted against its
+    key. The request's in-flight slot is given back when its answer is made, whatever happens."""
     keys = svc.api_keys
     token = bearer_token(request)
     if keys:
@@ -43,11 +45,13 @@ async def api_key(request: Request, svc: ServicesDep) -> Caller:
     ident = svc.key_ids.of(token) if token else None
     state = request.state
     bucket = getattr(state, "client_bucket", None) or "unknown"  # set by the middleware
-    tenant = ident if keys and ident else f"addr:{bucket}"
+    caller = Caller(ident, ident if keys and ident else f"addr:{bucket}")
+    if tracker is not None:
+        tracker.caller = caller
     limits = svc.tenant_limits(ident if keys else None)
-    svc.limiter_for(limits.rate_limit_rpm).check(tenant)
-    hold(request, svc.in_flight, f"req:{tenant}", limits.max_in_flight, "requests")
-    return Caller(ident, tenant)
+    svc.limiter_for(limits.rate_limit_rpm).check(caller.tenant)
+    hold(request, svc.in_flight, f"req:{caller.tenant}", limits.max_in_flight, "requests")
+    return caller
 
 
 def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str) -> None:
@@ -61,7 +65,11 @@ def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str)
     held.append((counts, key))
 
 
-ApiKeyDep = Annotated[Caller, Depends(api_key)]
+async def _api_key(request: Request, svc: ServicesDep) -> Caller:
+    return await api_key(request, svc)
+
+
+ApiKeyDep = Annotated[Caller, Depends(_api_key)]
 
 
 async def admin_key(request: Request, svc: ServicesDep) -> None:

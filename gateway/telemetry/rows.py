@@ -8,6 +8,7 @@ were sampled): the one form a record takes once it leaves the process that serve
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 from typing import Any
 
@@ -110,14 +111,46 @@ def entry_of(rec: RequestRecord, step_sample_rate: float = 0.0, rng: random.Rand
 
 
 def encode_entry(value: Entry) -> bytes:
-    """Compact JSON on one line. Numpy scalars (a classifier's probabilities in `features`) become
-    numbers, anything else JSON has no form for becomes its text: a row is never lost to a type."""
-    return orjson.dumps(value, default=str, option=_ENCODE)
+    """Compact JSON on one line, whatever the row holds: a row is never lost to a value. Numpy
+    scalars (a classifier's probabilities in `features`) become numbers, other types their text.
+    What orjson refuses (an upstream's integers past 64 bits or lone surrogates, kept as parsed in
+    `upstream`) goes through the standard library, ASCII-escaped; a structure nested too deep for
+    either keeps its row, with that one value replaced by a note (the writer fits the rest)."""
+    try:
+        return orjson.dumps(value, default=str, option=_ENCODE)
+    except TypeError:
+        pass
+    try:
+        return _stdlib_encode(value)
+    except RecursionError:
+        row = {
+            k: _UNENCODABLE if isinstance(v, dict | list) and _too_deep(v) else v
+            for k, v in value["r"].items()
+        }
+        return _stdlib_encode({**value, "r": row})
+
+
+_UNENCODABLE = {"unencodable": "nested too deep to encode"}
+
+
+def _stdlib_encode(value: Any) -> bytes:
+    return json.dumps(value, default=str, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _too_deep(value: Any) -> bool:
+    try:
+        _stdlib_encode(value)
+    except RecursionError:
+        return True
+    return False
 
 
 def decode_entry(data: bytes) -> Entry:
     """An entry as `encode_entry` wrote it; ValueError for anything that is not one."""
-    value = orjson.loads(data)
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:  # NaN or an integer past 64 bits, written by the standard library
+        value = json.loads(data)
     if not isinstance(value, dict) or not isinstance(value.get("r"), dict):
         raise ValueError("an entry is an object with a request row under 'r'")
     if not isinstance(value["r"].get("request_id"), str):

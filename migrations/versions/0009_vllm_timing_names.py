@@ -40,14 +40,20 @@ def downgrade() -> None:
 def _move(mapping: dict[str, str]) -> None:
     old_arrival = next(old for old, new in mapping.items() if new in ("arrival_time", "received_at"))
     arrival = mapping[old_arrival]
+    postgres = op.get_bind().dialect.name == "postgresql"
     op.execute("DROP VIEW IF EXISTS v_recent_errors")
-    for columns in INDEXED_WITH:
-        op.drop_index("ix_requests_" + "_".join((*columns, old_arrival)), table_name="requests")
+    if not postgres:  # SQLite cannot rename an index: it is made again (the table is local and small)
+        for columns in INDEXED_WITH:
+            op.drop_index("ix_requests_" + "_".join((*columns, old_arrival)), table_name="requests")
     # SQLite (3.25+) and PostgreSQL both rename a column in place.
     for old, new in mapping.items():
         op.alter_column("requests", old, new_column_name=new)
     for columns in INDEXED_WITH:
-        op.create_index("ix_requests_" + "_".join((*columns, arrival)), "requests", [*columns, arrival])
+        old_name, new_name = ("ix_requests_" + "_".join((*columns, c)) for c in (old_arrival, arrival))
+        if postgres:  # renamed in place: a production table's indexes are not rebuilt
+            op.execute(f"ALTER INDEX {old_name} RENAME TO {new_name}")
+        else:
+            op.create_index(new_name, "requests", [*columns, arrival])
     op.execute(
         f"""
         CREATE VIEW v_recent_errors AS

@@ -56,7 +56,7 @@ def endpoint(op: Operation) -> ASGIApp:
         request = Request(scope, receive)
         svc: Services = scope["app"].state.services
         tracker: RequestTracker = request.state.tracker  # made by GatewayMiddleware
-        caller = tracker.caller = await api_key(request, svc)
+        caller = await api_key(request, svc, tracker)
         parsed = await body.parse(request, op.model, tracker)
         if parsed.stream:
             limit = svc.tenant_limits(caller.key_id if svc.api_keys else None).max_streams

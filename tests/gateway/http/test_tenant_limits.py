@@ -183,3 +183,24 @@ def test_a_client_at_its_cap_is_never_refused_for_answers_it_already_has(stream:
 
         asyncio.run(run())
     assert statuses.count(200) == clients * each, sorted(set(statuses))
+
+
+def test_a_request_refused_by_a_limit_is_still_counted_against_its_key() -> None:
+    from tests.gateway.fake_upstream import FakeUpstream, backend, running_gateway
+    from tests.gateway.live import record_of
+
+    with (
+        FakeUpstream(models=("m",), text="hi") as fake,
+        running_gateway(backend("up", fake), api_keys=[VICTIM], rate_limit_rpm=1) as live,
+    ):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        statuses = []
+        for i in range(2):
+            headers = {"authorization": f"Bearer {VICTIM}", "x-request-id": f"limited-{i}"}
+            statuses.append(
+                httpx.post(f"{live.url}/v1/chat/completions", json=body, headers=headers).status_code
+            )
+        assert statuses == [200, 429]
+        first, refused = record_of(live, "limited-0"), record_of(live, "limited-1")
+        assert first is not None and refused is not None and first.api_key_id is not None
+        assert refused.api_key_id == first.api_key_id and refused.status == 429

@@ -66,3 +66,12 @@ def test_a_method_the_operator_does_not_allow_is_refused(with_policy: bool) -> N
     with pytest.raises(GatewayError) as err:
         router._speculation(_request("m", {"method": "eagle"}), CHOSEN, "learned", "arm", "why")
     assert err.value.status == 400 and err.value.param == "spec.method"
+
+
+@pytest.mark.parametrize("with_policy", [False, True])
+def test_a_request_on_a_route_pinned_off_starts_from_the_configured_default(with_policy: bool) -> None:
+    """A route pinned to plain decoding has zero K bounds: a request that asks for a method gets
+    it with the engine's configured bounds, in both modes alike."""
+    router = _router(with_policy, SpecParams("off", "static", 0, 0))
+    spec, label, _ = router._speculation(_request("p", {"method": "suffix"}), CHOSEN, "learned", "arm", "w")
+    assert spec == SpecParams("suffix", "goodput", 0, 6) and label == "request"

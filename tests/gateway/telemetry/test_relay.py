@@ -247,3 +247,26 @@ def test_an_idle_relay_receives_at_idle_priority(tmp: Path, store: TelemetryStor
     assert policy == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
     sink.close()
     server.close()
+
+
+def test_what_orjson_refuses_still_lands(tmp: Path, store: TelemetryStore) -> None:
+    """An upstream's answer kept as parsed can hold integers past 64 bits, lone surrogates, NaN or
+    nesting deeper than any encoder goes: the row crosses the relay all the same."""
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    odd = {"big": 2**70, "text": "\ud800x", "nan": float("nan")}
+    path = str(tmp / "t.sock")
+    server = RecordRelayServer(store, path).start()
+    sink = RelaySink(path).start()
+    sink.submit(dataclasses.replace(record("odd"), upstream={"metrics": odd}))
+    sink.submit(dataclasses.replace(record("deep"), upstream={"metrics": deep}))
+    sink.close()
+    server.close()
+    assert sink.counters.written == 2 and sink.counters.dropped == 0
+    assert store.writer is not None and store.writer.flush(20)
+    with store.engine.connect() as conn:
+        got = dict(conn.execute(select(requests.c.request_id, requests.c.upstream)).all())
+    # Fitted as the writer fits every JSON column (fit.py): what no database stores becomes null.
+    assert got["odd"]["metrics"] == {"big": None, "text": "?x", "nan": None}
+    assert got["deep"] == {"unencodable": "nested too deep to encode"}
