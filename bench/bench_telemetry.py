@@ -27,7 +27,12 @@ from specgate.policies.load import BackendLoad, Load
 def make_record(i: int) -> RequestRecord:
     now = time.time()
     route = RouteDecision(
-        "SmolLM2-135M-Instruct", ["embedded"], SpecParams("ngram", "goodput", 0, 8), reason="bench"
+        "SmolLM2-135M-Instruct",
+        ["embedded"],
+        SpecParams("ngram", "goodput", 0, 8),
+        reason="bench",
+        features={"prompt_tokens": 300, "code_fraction": 0.8},
+        workload_class="code",
     )
     route.served_by("embedded", external=False)
     return RequestRecord(
@@ -56,8 +61,6 @@ def make_record(i: int) -> RequestRecord:
         load=Load(
             engine=True, queue_depth=2, running=12, kv_usage=0.4, backends={"embedded": BackendLoad(12)}
         ),
-        workload_class="code",
-        features={"prompt_tokens": 300, "code_fraction": 0.8},
         finished_time=now,
     )
 

@@ -66,7 +66,7 @@ class Services:
     metrics: Metrics
     recent: MemorySink  # the latest records, in memory
     store: TelemetryStore | None  # durable rows (SQLite / PostgreSQL)
-    limiter: Limiter  # RateLimiter, or in a worker the one shared by all (shared_limits.py)
+    limiter: Limiter  # RateLimiter, or in a worker the one shared by all (limits/shared.py)
     refusals: RefusalBudget  # 401 / 413 answers per client address
     policy: PolicyManager | None = None  # None: the static router
     extra_sinks: list[RecordSink] = field(default_factory=list)

@@ -25,6 +25,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specgate.gateway.backends.base import Kind
 from specgate.gateway.http.auth import (
     bearer,
     check_key,
@@ -37,12 +38,12 @@ from specgate.gateway.http.errors import error_response
 from specgate.gateway.http.ui.dashboard_auth import dashboard_auth
 from specgate.gateway.limits.limiters import release
 from specgate.gateway.protocol.errors import GatewayError
-from specgate.gateway.request.context import Endpoint, RequestContext
+from specgate.gateway.request.context import RequestContext
 from specgate.gateway.request.tracker import RequestTracker
 
 logger = logging.getLogger("specgate.gateway")
 _SANE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
-INFERENCE_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes are never turned away
 
@@ -83,13 +84,9 @@ class GatewayMiddleware:
         given = headers.get(b"x-request-id", b"")
         client_id = given.decode("ascii") if _SANE_ID.match(given) else None
         request_id = secrets.token_hex(16)  # as random as uuid4().hex, a fifth of its cost
+        arrival_time, arrival_perf = time.time(), time.perf_counter()
         state = scope.setdefault("state", {})
-        state["request_id"] = request_id
-        state["client_request_id"] = client_id
-        state["arrival_time"] = time.time()
-        state["arrival_perf"] = time.perf_counter()
         addr = client_address(scope, headers, self.trusted_proxies)
-        state["client_addr"] = addr
         if self.trusted_proxies:
             scheme = forwarded_scheme(scope, headers, self.trusted_proxies)
             if scheme is not None:
@@ -99,7 +96,7 @@ class GatewayMiddleware:
         tracker = None
         if endpoint is not None and services is not None:
             context = RequestContext(
-                request_id, client_id, endpoint, state["arrival_time"], state["arrival_perf"], addr, bucket
+                request_id, client_id, endpoint, arrival_time, arrival_perf, addr, bucket
             )
             tracker = state["tracker"] = RequestTracker(context)
             services.metrics.in_flight.inc()
@@ -124,7 +121,7 @@ class GatewayMiddleware:
 
         seen = 0
         body_done = False
-        body_deadline = state["arrival_perf"] + self.body_timeout
+        body_deadline = arrival_perf + self.body_timeout
         read_timeout = self.body_read_timeout
 
         async def limited_receive() -> Message:

@@ -2,7 +2,7 @@
 
 Framework-free: the HTTP layer decides what the key is (auth.py) and turns a refusal into a 429.
 `RateLimiter` keeps its buckets in this process; with several worker processes the gateway uses
-`shared_limits.SharedRateLimiter` instead, whose buckets live in shared memory so the workers
+`shared.SharedRateLimiter` (shared.py) instead, whose buckets live in shared memory so the workers
 enforce one limit between them, not one each. Both are a `Limiter`.
 """
 

@@ -1,4 +1,4 @@
-"""A fixed-size hash table in shared memory: the storage under shared_limits.py.
+"""A fixed-size hash table in shared memory: the storage under shared.py.
 
 Open addressing on a keyed 64-bit blake2b hash of the key (keyed with a secret drawn per gateway,
 so nobody can choose keys that land in one probe window to evict someone else's entry). A slot is

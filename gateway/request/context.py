@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Endpoint = Literal["chat", "completion"]
+from specgate.gateway.backends.base import Kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +14,7 @@ class RequestContext:
     request_id: str  # the gateway's own id (random), the row's key
     # The client's own x-request-id, kept as sent (it may repeat); never used as a key.
     client_request_id: str | None
-    endpoint: Endpoint
+    endpoint: Kind  # which inference route: chat or completion
     arrival_time: float  # unix seconds
     arrival_perf: float  # time.perf_counter() at arrival: the gateway's own overhead is timed from it
     client_addr: str

@@ -78,7 +78,7 @@ class RequestTracker:
             error_code = "request_too_large"
         if outcome == "error" and error_code is None and status >= 500:
             error_code = "internal_error"
-        ctx, decision = self.context, self.decision
+        ctx = self.context
         obs = self.call.observed if self.call is not None else Observation()
         return RequestRecord(
             request_id=ctx.request_id,
@@ -89,7 +89,7 @@ class RequestTracker:
             api_key_id=self.caller.key_id if self.caller is not None else None,
             client_request_id=ctx.client_request_id,
             backend=obs.backend or None,
-            route=decision,
+            route=self.decision,
             status=status,
             outcome=outcome,
             error_code=error_code,
@@ -105,8 +105,5 @@ class RequestTracker:
             spec_decoding=obs.spec_decoding,
             upstream=obs.upstream,
             overhead_ms=self.overhead_ms,
-            workload_class=decision.workload_class if decision is not None else None,
-            class_confidence=decision.class_confidence if decision is not None else None,
-            features=decision.features if decision is not None else {},
             spec_steps=obs.spec_steps,
         )

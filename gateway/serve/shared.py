@@ -1,5 +1,5 @@
 """What the supervisor of `specgate serve --workers N` starts once for all of its workers, besides
-the engine core (workers.py): the hook points of the shared telemetry writer and limit tables.
+the engine core (supervisor.py): the hook points of the shared telemetry writer and limit tables.
 
 `start_shared` runs before any worker is spawned; what it returns goes into every worker's
 `WorkerContext`, and its closer runs once after the last worker has exited (the workers may use

@@ -1,6 +1,6 @@
 """`specgate serve --workers N`: a supervisor process, N gateway workers, one engine core.
 
-The supervisor binds the listening socket once and spawns the workers on it (worker_process.py);
+The supervisor binds the listening socket once and spawns the workers on it (worker.py);
 it starts once what they share: a private run directory (removed at exit) holding the engine core's
 Unix socket and the Prometheus multiprocess directory, the engine core (engine_core/process.py), and the
 telemetry writer and limit tables (shared.py). The telemetry schema is checked (and, where that is

@@ -43,11 +43,22 @@ class RequestRecord:
     spec_decoding: dict[str, Any] | None = None
     upstream: dict[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called
-    workload_class: str | None = None  # set by a classifying router
-    class_confidence: float | None = None
-    features: dict[str, Any] = field(default_factory=dict)  # what the routing policy saw
     # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.
     spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+
+    @property
+    def workload_class(self) -> str | None:
+        """The class a classifying router gave the request (None: static routing, or not routed)."""
+        return self.route.workload_class if self.route is not None else None
+
+    @property
+    def class_confidence(self) -> float | None:
+        return self.route.class_confidence if self.route is not None else None
+
+    @property
+    def features(self) -> dict[str, Any]:
+        """What the routing policy saw."""
+        return self.route.features if self.route is not None else {}
 
     @property
     def cancelled(self) -> bool:

@@ -6,7 +6,7 @@ per proxied request: httpx2 ~1,100 us, aiohttp ~140 us, the lean connection of `
 The client is the largest single cost of the gateway's hot path, so direct origins (the common
 case: vLLM, SGLang, llama.cpp next to the gateway) use `http1.py`; an origin that HTTP(S)_PROXY
 sends through a proxy (decided once per origin, honouring NO_PROXY) uses aiohttp, which speaks
-proxies. Failures are the gateway's own (`upstream_errors.py`): `PoolTimeout` (our pool stayed
+proxies. Failures are the gateway's own (`errors.py`): `PoolTimeout` (our pool stayed
 full for the whole connect timeout: the backend is not at fault; the pool is a counter here, so a
 wait for a slot is told apart from a slow connect), `TransportError`, `DecodingError`.
 

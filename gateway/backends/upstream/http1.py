@@ -6,7 +6,7 @@ connections: what they cost is per-request Python, not bytes. This connection do
 write the request head and body in one call, parse the response with the C parser uvicorn already
 uses, and hand body bytes over as they arrive (reading pauses while more than `HIGH_WATER` bytes
 wait unread, so a fast upstream cannot fill memory). Pooling and decoding are in
-`upstream_client.py`; everything here fails as `TransportError`.
+`client.py`; everything here fails as `TransportError`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class DashboardAuth:
     def build(
         cls, settings: Settings, guard: SignInGuard | None, shared_limits: SharedLimits | None = None
     ) -> DashboardAuth | None:
-        """`shared_limits`: a worker's (see shared_limits.py): sign-outs count for all of them."""
+        """`shared_limits`: a worker's (see limits/shared.py): sign-outs count for all of them."""
         if settings.admin_key is None or not settings.ui.enabled or guard is None:
             return None
         ui, key = settings.ui, settings.admin_key.get_secret_value()

@@ -8,7 +8,7 @@ with the same key: it is handed to the page (never set as a cookie), and actions
 anything must send it back in a header that a cross-site form cannot set.
 
 Signing out revokes the session id until the cookie would have expired anyway. The revoked ids are
-kept here, in shared memory with several worker processes (`shared`, shared_limits.py), and in the
+kept here, in shared memory with several worker processes (`shared`, limits/shared.py), and in the
 telemetry database (dashboard_auth.py), which every replica and restart reads.
 """
 

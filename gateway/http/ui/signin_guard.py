@@ -5,7 +5,7 @@ oldest of them is `lockout` seconds old, whatever key it sends (a guesser must n
 when it hit). A success clears the address's failures. State is bounded.
 
 With several worker processes (`specgate serve --workers N`) the failures are counted in shared
-memory instead (`shared`: a bucket per address in shared_limits.py, the same for every worker, so
+memory instead (`shared`: a bucket per address in limits/shared.py, the same for every worker, so
 an address gets `max_failures` tries in all, not per worker). A bucket cannot keep every failure's
 time, so there the limit is the same rate kept differently: `max_failures` tries at once, then one
 more each `lockout / max_failures` seconds (the refusal budget of the middleware, which counts

@@ -34,7 +34,9 @@ from specgate.gateway.telemetry.tables import requests
 
 
 def record(name: str) -> RequestRecord:
-    route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
+    # numpy scalars do reach records (a classifier's probabilities, in what the policy saw)
+    features = {"p_code": np.float64(0.75), "p_chat": np.float32(0.25), "prompt_chars": 42}
+    route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8), features=features)
     route.served_by("embedded", external=False)
     return RequestRecord(
         name,
@@ -47,8 +49,6 @@ def record(name: str) -> RequestRecord:
         prompt_tokens=10,
         completion_tokens=20,
         route=route,
-        # numpy scalars do reach records (a classifier's probabilities)
-        features={"p_code": np.float64(0.75), "p_chat": np.float32(0.25), "prompt_chars": 42},
         finished_time=time.time(),
     )
 
@@ -218,7 +218,9 @@ def test_a_value_json_has_no_form_for_still_lands(tmp: Path, store: TelemetrySto
     path = str(tmp / "t.sock")
     server = RecordRelayServer(store, path).start()
     sink = RelaySink(path).start()
-    odd = dataclasses.replace(record("odd"), features={"when": dt.date(2026, 1, 2), "what": object()})
+    odd = record("odd")
+    assert odd.route is not None
+    odd.route.features = {"when": dt.date(2026, 1, 2), "what": object()}
     sink.submit(record("first"))
     sink.submit(odd)  # encoded on the spot, the odd values as their text
     sink.submit(record("last"))

@@ -255,13 +255,14 @@ def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None
         prompt_tokens=10**30,
         completion_tokens=-(10**30),
         queue_time_ms=float("nan"),
-        features={
-            "x": float("inf"),
-            "\udfff": ["\ud800", 2**70],
-            "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
-        },
         upstream={"big": "y" * 200_000},
     )
+    assert rec.route is not None
+    rec.route.features = {
+        "x": float("inf"),
+        "\udfff": ["\ud800", 2**70],
+        "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
+    }
     rec = dataclasses.replace(rec, model="\ud800bad\x00" + "m" * 1000)
     w.submit(rec)
     assert w.flush()
