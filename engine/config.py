@@ -54,6 +54,9 @@ class EngineConfig:
     # Batch-invariant kernels: a request's greedy output does not depend on its batch mates, the
     # speculation method or K, or prefix-cache hits (engine/batch_invariant.py).
     deterministic: bool = False
+    # Constrained requests draft the tokens their grammar forces (free drafts, verified like any
+    # other; engine/constraint.py). Off: each forced token takes its own step (for comparison).
+    forced_drafts: bool = True
     # Token counts of the steps compiled with torch.compile on CPU (engine/models/compiled.py): a step
     # of n tokens runs the graph of the smallest size >= n, padded; larger steps run eagerly. Empty:
     # nothing is compiled. Compact decoder only; off in deterministic mode.

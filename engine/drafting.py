@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 
+import torch
+
 from specgate.engine import draft_tree
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.scheduler import ScheduledSequence
@@ -27,6 +29,9 @@ from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, Prop
 from specgate.engine.stop_rules import sampling_row
 
 logger = logging.getLogger("specgate.engine")
+# Tokens a grammar may force into one step's draft: they cost no proposer time, but each one is
+# verified (one more token in the forward pass).
+MAX_FORCED_DRAFT = 16
 
 
 @dataclass(slots=True)
@@ -39,34 +44,79 @@ class Drafter:
     max_num_batched_tokens: int
     deterministic: bool
     eos_token_ids: Set[int]
+    forced_drafts: bool = True  # constrained requests draft what their grammar forces
     cost_model: CostModel = field(default_factory=CostModel)  # measured step costs
 
     def propose(self, batch: list[ScheduledSequence]) -> list[Proposal]:
         """Drafts per scheduled sequence (empty for most); KV room is reserved for them."""
         drafts = [Proposal([]) for _ in batch]
-        speculating = [
-            i for i, s in enumerate(batch) if s.seq.spec is not None and s.samples and s.num_tokens == 1
-        ]
-        if not speculating:
+        decoding = [i for i, s in enumerate(batch) if s.samples and s.num_tokens == 1]
+        speculating = [i for i in decoding if batch[i].seq.spec is not None]
+        constrained = [i for i in decoding if batch[i].seq.constraint is not None]
+        if not speculating and not constrained:
             return drafts
         bs = self.block_manager.block_size
         free_slots = self.block_manager.num_free_blocks * bs
-        candidates = []
-        rooms: dict[int, int] = {}  # KV slots each speculating sequence could still take
-        for i in speculating:
+        rooms: dict[int, int] = {}  # KV slots each drafting sequence could still take
+        caps: dict[int, int] = {}  # the most tokens it may draft
+        for i in {*speculating, *constrained}:
             seq = batch[i].seq
             room = rooms[i] = len(seq.block_table) * bs - seq.num_tokens + free_slots
-            cap = min(
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-                room,
+            caps[i] = max(
+                0,
+                min(
+                    seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1,
+                    room,
+                ),
             )
-            assert seq.spec is not None and seq.stats.spec is not None
-            method = seq.stats.spec.method
-            candidates.append(Candidate(seq.spec, method, self.proposer(method).autoregressive, max(0, cap)))
         scheduled_tokens = sum(s.num_tokens for s in batch)
         emitting = sum(s.samples for s in batch)
         context = mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
+        drafted = self._proposals(batch, speculating, caps, scheduled_tokens, emitting, context)
+        budget = (
+            self.max_num_batched_tokens - scheduled_tokens - sum(len(p.token_ids) for p in drafted.values())
+        )
+        for i in constrained:
+            seq = batch[i].seq
+            try:
+                prop = self._grammar_draft(seq, drafted.pop(i, None), caps[i], budget)
+            except Exception as exc:
+                logger.exception("request %s failed while its grammar drafted", seq.request_id)
+                self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
+                continue
+            if prop is not None:
+                drafted[i] = prop
+                budget -= prop.num_forced
+        chosen = self._grow_trees(batch, drafted, rooms, scheduled_tokens, emitting, context)
+        for i, prop in chosen.items():
+            seq = batch[i].seq
+            for attempt in (prop, tree_proposal.first_path(prop)):
+                n = seq.num_tokens + len(attempt.token_ids)
+                if attempt.token_ids and self.block_manager.can_allocate(seq, n):
+                    self.block_manager.allocate(seq, n)
+                    drafts[i] = attempt
+                    break
+        return drafts
+
+    def _proposals(
+        self,
+        batch: list[ScheduledSequence],
+        speculating: list[int],
+        caps: dict[int, int],
+        scheduled_tokens: int,
+        emitting: int,
+        context: float,
+    ) -> dict[int, Proposal]:
+        """The proposers' checked drafts for the speculating sequences, k chosen by their controllers."""
+        if not speculating:
+            return {}
+        candidates = []
+        for i in speculating:
+            seq = batch[i].seq
+            assert seq.spec is not None and seq.stats.spec is not None
+            method = seq.stats.spec.method
+            candidates.append(Candidate(seq.spec, method, self.proposer(method).autoregressive, caps[i]))
         ks = choose_k(
             candidates,
             num_emitting=emitting,
@@ -84,7 +134,9 @@ class Drafter:
                 # Deterministic mode keeps fixed attention tiles per sequence: chains only.
                 nodes = 0 if self.deterministic else c.state.params.max_tree_nodes
                 row = sampling_row(seq, [], self.eos_token_ids)
-                req = ProposalRequest(seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes)
+                req = ProposalRequest(
+                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes, seq.constraint
+                )
                 by_method.setdefault(c.method, []).append((i, req))
         drafted: dict[int, Proposal] = {}
         for method, reqs in by_method.items():
@@ -102,16 +154,38 @@ class Drafter:
                     drafted[i] = checked
             steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
             self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
-        chosen = self._grow_trees(batch, drafted, rooms, scheduled_tokens, emitting, context)
-        for i, prop in chosen.items():
-            seq = batch[i].seq
-            for attempt in (prop, tree_proposal.first_path(prop)):
-                n = seq.num_tokens + len(attempt.token_ids)
-                if attempt.token_ids and self.block_manager.can_allocate(seq, n):
-                    self.block_manager.allocate(seq, n)
-                    drafts[i] = attempt
-                    break
-        return drafts
+        return drafted
+
+    def _grammar_draft(self, seq: Sequence, prop: Proposal | None, cap: int, budget: int) -> Proposal | None:
+        """A constrained sequence's draft: the proposer's cut to what the grammar accepts, led by the
+        tokens the grammar forces. Forced tokens are point masses; a proposer's tokens past them
+        are kept only where its first path drafted exactly those tokens, so each kept token was drawn
+        from the law its row reports given the tokens before it."""
+        constraint = seq.constraint
+        assert constraint is not None
+        if prop is not None:
+            if prop.parents is None:
+                keep = list(range(constraint.valid_prefix(prop.token_ids)))
+            else:
+                keep = constraint.valid_nodes(prop.token_ids, prop.parents)
+            if len(keep) < len(prop.token_ids):
+                prop = tree_proposal.cut(prop, keep) if keep else None
+        limit = min(cap, MAX_FORCED_DRAFT, max(0, budget)) if self.forced_drafts else 0
+        forced = constraint.forced(limit)
+        if not forced:
+            return prop
+        m = len(forced)
+        if prop is not None:
+            chain = tree_proposal.first_path(prop)
+            rest = chain.token_ids[m:cap] if chain.token_ids[:m] == forced else []
+            if rest:
+                probs = None
+                if chain.probs is not None:
+                    point = torch.zeros(m, chain.probs.shape[1], dtype=chain.probs.dtype)  # [m, vocab]
+                    point[torch.arange(m), torch.tensor(forced)] = 1.0
+                    probs = torch.cat([point, chain.probs[m : m + len(rest)]])
+                return Proposal([*forced, *rest], probs, num_forced=m)
+        return Proposal(forced, num_forced=m)
 
     def _grow_trees(
         self,
@@ -130,10 +204,9 @@ class Drafter:
         tokens = scheduled
         for i, prop in drafted.items():
             spec = batch[i].seq.spec
-            assert spec is not None
-            if prop.parents is None:
-                out[i] = prop
-                tokens += len(prop.token_ids)
+            if prop.parents is None or spec is None:  # a chain (forced tokens need no controller)
+                out[i] = prop if prop.parents is None else tree_proposal.first_path(prop)
+                tokens += len(out[i].token_ids)
             elif spec.params.controller == "goodput":
                 trees.append((i, TreeCandidate(spec, prop.parents, rooms[i], prop.scores)))
                 tokens += min(len(draft_tree.first_path(prop.parents)), rooms[i])

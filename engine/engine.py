@@ -27,8 +27,10 @@ from specgate.engine.admission import checked_prompt, new_sequence, request_gene
 from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager
 from specgate.engine.config import EngineConfig
+from specgate.engine.constraint import Constraint, ConstraintError
 from specgate.engine.drafting import Drafter, mean_context
 from specgate.engine.errors import DuplicateRequestError, RequestError
+from specgate.engine.grammar import GrammarCompiler, GrammarError
 from specgate.engine.model_runner import ModelRunner
 from specgate.engine.outputs import RequestOutput, TokenLogprob
 from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
@@ -107,9 +109,16 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             deterministic=config.deterministic,
             eos_token_ids=self.eos_token_ids,
+            forced_drafts=config.forced_drafts,
         )
         for method in config.proposer_options:
             self.proposer(method)
+        # Grammars of constrained requests, compiled for this tokenizer and kept by their text.
+        self.grammars = (
+            GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+            if self.tokenizer is not None
+            else None
+        )
 
     @property
     def cost_model(self) -> CostModel:
@@ -178,6 +187,7 @@ class Engine:
                 proposer = self.proposer(spec.method)
             except ValueError as exc:
                 raise RequestError(str(exc)) from exc
+        constraint = self._constraint(params)
         generator = request_generator(params.seed, self.runner.device, self._rng)
         seq = new_sequence(
             request_id,
@@ -189,6 +199,7 @@ class Engine:
             prefix_salt,
             tenant,
         )
+        seq.constraint = constraint
         if proposer is not None:
             try:
                 proposer.start(request_id, prompt, cache_scope)
@@ -197,6 +208,21 @@ class Engine:
                 raise
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """The request's grammar state at its start, compiled (or taken from the cache)."""
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise RequestError("this engine has no tokenizer, so it cannot follow a grammar")
+        try:
+            constraint = Constraint(
+                self.grammars.matcher(params.grammar), self.runner.vocab_size, sorted(self.eos_token_ids)
+            )
+            constraint.allowed_after([])  # a grammar that admits no output fails here, not mid-stream
+            return constraint
+        except (GrammarError, ConstraintError) as exc:
+            raise RequestError(f"the grammar cannot be compiled: {exc}") from exc
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; its final output comes with the next step."""
@@ -287,10 +313,18 @@ class Engine:
         blocks: list[tuple[int, slice]] = []  # per emitting sequence: its rows
         for i, (s, d, sampled) in enumerate(zip(step.batch, step.drafts, step.samples, strict=True)):
             if sampled:
+                try:  # a grammar's masks are computed here: its failure is its request's alone
+                    own = [
+                        sampling_row(s.seq, extra, self.eos_token_ids) for extra in tree_proposal.histories(d)
+                    ]
+                except Exception as exc:
+                    logger.exception("request %s failed while its sampling rows were built", s.seq.request_id)
+                    self._fail(
+                        s.seq, f"the engine failed while masking by its grammar ({type(exc).__name__})"
+                    )
+                    continue
                 first = len(rows)
-                rows.extend(
-                    sampling_row(s.seq, extra, self.eos_token_ids) for extra in tree_proposal.histories(d)
-                )
+                rows.extend(own)
                 blocks.append((i, slice(first, len(rows))))
         processed, usable = self._process(step.batch, step.logits, rows, blocks)
         for s in step.batch:
@@ -428,13 +462,24 @@ class Engine:
             proposer.observe_hidden(
                 seq.request_id, start, hidden[[*range(real - 1), *(real - 1 + r for r in emitted)]]
             )
-        lps = token_logprobs(raw[emitted], tokens, [rows[r] for r in emitted])
+        emitted_rows = [rows[r] for r in emitted]
+        scored = raw[emitted]  # [len(emitted), vocab]
+        if seq.constraint is not None and seq.params.logprobs is not None:
+            # A constrained request reports the masked law's logprobs (as vLLM does).
+            allowed = torch.stack([r.allowed for r in emitted_rows if r.allowed is not None])  # [n, vocab]
+            scored = scored.masked_fill(~allowed[:, : scored.shape[-1]], float("-inf"))
+        lps = token_logprobs(scored, tokens, emitted_rows)
+        forced = proposal.num_forced
+        seq.stats.num_forced_draft_tokens += forced
         if seq.spec is not None and seq.stats.spec is not None and draft:
+            # The controller learns from the proposer's own tokens, past the grammar's forced ones.
             if parents is None:
-                seq.spec.observe(len(draft), accepted)
+                if len(draft) > forced and accepted >= forced:
+                    seq.spec.observe(len(draft) - forced, accepted - forced)
                 seq.stats.spec.record(len(draft), accepted, *step)
             else:
-                seq.spec.observe_walk(tree_proposal.walk(parents, path, proposal.scores))
+                if not forced:
+                    seq.spec.observe_walk(tree_proposal.walk(parents, path, proposal.scores))
                 depth = max(draft_tree.depths(parents))
                 seq.stats.spec.record(len(draft), accepted, *step, depth=depth)
         num_before = seq.num_tokens
@@ -442,6 +487,13 @@ class Engine:
             self._append_token(seq, token, lp, now)
             if seq.is_finished:
                 return
+            if seq.constraint is not None:
+                seq.constraint.advance([token])
+                # The grammar is complete: nothing but EOS could follow, so the request ends here,
+                # as plain decoding would have ended it (a bonus token past it is not emitted).
+                if seq.constraint.stopped:
+                    self._finish(seq, "stop", None)
+                    return
         if seq.spec is not None and seq.stats.spec is not None:
             self.proposer(seq.stats.spec.method).commit(
                 seq.request_id, seq.token_ids, seq.num_tokens - num_before

@@ -93,6 +93,9 @@ class RequestStats:
     num_steps: int = 0  # forward passes this request took part in
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    # Drafted tokens a grammar forced (verified like any draft, drafted by no proposer); speculating
+    # requests count them in `spec` too.
+    num_forced_draft_tokens: int = 0
     token_times: list[float] = field(default_factory=list)  # when each output token was emitted
     spec: SpecStats | None = None
 

@@ -28,6 +28,8 @@ class SamplingRow:
     generator: torch.Generator | None
     # Tokens that must not be drawn here, e.g. EOS and stop tokens before min_tokens is reached.
     suppress_token_ids: Sequence[int] = ()
+    # [vocab] bool: the tokens a grammar allows here (engine/constraint.py); None: all of them.
+    allowed: torch.Tensor | None = None
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -88,6 +90,10 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     for i, row in enumerate(rows):
         if row.suppress_token_ids:
             logits[i, list(row.suppress_token_ids)] = float("-inf")
+        if row.allowed is not None:
+            # The masked law: grammar-invalid tokens go before temperature, top-k, top-p and min-p,
+            # which then act on the tokens the grammar allows.
+            logits[i].masked_fill_(~row.allowed[: logits.shape[-1]], float("-inf"))
     vocab = logits.shape[-1]
     device = logits.device
     temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from specgate.engine.grammar import Grammar
+
 MAX_LOGPROBS = 20
 # Temperatures below this sample as greedy: dividing logits by 1e-50 overflows to inf, and the
 # distribution it stands for is the argmax's point mass anyway (vLLM uses the same threshold).
@@ -34,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None
     # OpenAI's logit_bias: token id -> value added to its logit (after penalties, before temperature).
     logit_bias: Mapping[int, float] | None = None
+    # The grammar the output must match (a JSON schema, a regex, ...); None: unconstrained.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +84,15 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise ValueError("grammar must be a Grammar")
+            # The grammar decides where the output ends: ignoring EOS, or forbidding it before
+            # min_tokens, would contradict it wherever the grammar is complete.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a grammar (structured output)")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a grammar (structured output)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specgate.engine.constraint import Constraint
 from specgate.engine.detokenizer import IncrementalDetokenizer
 from specgate.engine.outputs import RequestStats, TokenLogprob
 from specgate.engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class Sequence:
     stats: RequestStats
     detokenizer: IncrementalDetokenizer | None = None
     spec: SpecState | None = None  # None: this request never speculates
+    constraint: Constraint | None = None  # the grammar's state; None: unconstrained
     # Prefix-cache salt: KV blocks are shared only between requests with the same salt; None: none.
     prefix_salt: str | None = ""
     # Who the request is for (an API key's id, a client address): batch slots are shared fairly

@@ -23,7 +23,8 @@ def sampling_row(seq: Sequence, extra: Seq[int], eos_token_ids: Set[int]) -> Sam
     if seq.num_output_tokens + len(extra) < p.min_tokens:
         suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids))
     history = [*seq.token_ids, *extra] if extra else seq.token_ids
-    return SamplingRow(p, history, seq.num_prompt_tokens, seq.generator, suppress)
+    allowed = seq.constraint.allowed_after(extra) if seq.constraint is not None else None
+    return SamplingRow(p, history, seq.num_prompt_tokens, seq.generator, suppress, allowed)
 
 
 def may_stop(seq: Sequence) -> bool:

@@ -70,6 +70,9 @@ class EmbeddedSettings(BaseModel):
     # Batch-invariant kernels: a temperature-0 answer does not depend on the batch it ran in, the
     # speculation method or K, or a prefix-cache hit (engine/batch_invariant.py; docs/engine.md has its cost).
     deterministic: bool = False
+    # Constrained requests (structured outputs) draft the tokens their grammar forces: free drafts,
+    # verified like any other, so the output is unchanged. Off only to measure what they give.
+    forced_drafts: bool = True
     # Token counts of the decode / verify steps compiled with torch.compile at start-up (CPU, compact
     # decoder; ~45 s each on two cores, every start). `specgate serve --compile` sets (1, 2, 4, 8, 16).
     # Empty: every step runs eagerly.

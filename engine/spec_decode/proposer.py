@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specgate.engine.constraint import Constraint
 from specgate.engine.sampler import SamplingRow
 
 
@@ -25,6 +26,9 @@ class ProposalRequest:
     # A proposer that drafts trees may return up to this many nodes (it must return a chain when it
     # is at most k); one that drafts chains ignores it.
     max_nodes: int = 0
+    # The request's grammar state: a proposer that samples drafts from a distribution draws them
+    # under its mask (draft_row), so q is the law the token came from. None: unconstrained.
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class Proposal:
     # Per node of a tree, the proposer's estimate that the target picks its token after its parent
     # (a draft probability, a continuation's frequency); None: no estimate.
     scores: list[float] | None = None
+    # Leading nodes of the first path that the grammar forced (engine/constraint.py): point masses
+    # that cost no proposer time, verified like any draft.
+    num_forced: int = 0
 
 
 @dataclass(slots=True)
@@ -87,8 +94,14 @@ class Proposer(Protocol):
 def draft_row(r: ProposalRequest, drafts: Sequence[int]) -> SamplingRow:
     """The request's sampling state after its first `drafts`, for scoring the next draft position."""
     base = r.row
+    allowed = r.constraint.allowed_after(drafts) if r.constraint is not None else base.allowed
     return SamplingRow(
-        base.params, [*r.token_ids, *drafts], base.num_prompt_tokens, base.generator, base.suppress_token_ids
+        base.params,
+        [*r.token_ids, *drafts],
+        base.num_prompt_tokens,
+        base.generator,
+        base.suppress_token_ids,
+        allowed,
     )
 
 

@@ -41,15 +41,16 @@ def checked(prop: Proposal, req: ProposalRequest, vocab_size: int) -> tuple[Prop
 
 
 def cut(prop: Proposal, keep: list[int]) -> Proposal:
-    """A tree proposal cut to nodes `keep` (ascending, closed under ancestors); a chain if it is one."""
-    assert prop.parents is not None
-    parents = draft_tree.subtree(prop.parents, keep)
+    """A proposal cut to nodes `keep` (ascending, closed under ancestors); a chain if it is one."""
+    parents = draft_tree.subtree(prop.parents, keep) if prop.parents is not None else None
     probs = prop.probs[keep] if prop.probs is not None else None
     tokens = [prop.token_ids[j] for j in keep]
-    if draft_tree.is_chain(parents):
-        return Proposal(tokens, probs)
+    # The forced nodes lead the first path, so the kept ones are a prefix of it.
+    forced = sum(1 for j in keep if j < prop.num_forced)
+    if parents is None or draft_tree.is_chain(parents):
+        return Proposal(tokens, probs, num_forced=forced)
     scores = [prop.scores[j] for j in keep] if prop.scores is not None else None
-    return Proposal(tokens, probs, parents, scores)
+    return Proposal(tokens, probs, parents, scores, forced)
 
 
 def first_path(prop: Proposal) -> Proposal:

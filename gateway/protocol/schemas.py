@@ -117,6 +117,34 @@ class SpecRequest(BaseModel):
         return self
 
 
+MAX_GRAMMAR_CHARS = 128 * 1024  # a schema or grammar's text (engine/grammar.py has the same bound)
+MAX_CHOICES = 1024
+Grammar = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+Schema = dict[str, Any] | bool | Grammar  # a JSON schema, as an object or as its JSON text
+Choices = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]],
+    Field(min_length=1, max_length=MAX_CHOICES),
+]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object,
+    structural_tag; the rest tune the JSON grammar."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    json_: Schema | None = Field(None, alias="json")
+    regex: Grammar | None = None
+    choice: Choices | None = None
+    grammar: Grammar | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | Grammar | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # specgate never falls back to unconstrained decoding, so either value means what it does.
+    disable_fallback: bool | None = None
+
+
 class _Sampling(_Edge):
     model: str = Field(min_length=1, max_length=MAX_NAME)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -145,6 +173,16 @@ class _Sampling(_Edge):
         None, max_length=MAX_LOGIT_BIAS_ENTRIES
     )
     spec: SpecRequest | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    # fields (aliases of structured_outputs' keys). External backends get them as sent.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: Grammar | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
+    guided_decoding_backend: Annotated[str, Field(max_length=64)] | None = None
+    guided_whitespace_pattern: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -249,7 +287,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod

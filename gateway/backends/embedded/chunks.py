@@ -43,7 +43,7 @@ def final_body(
             logprobs = fmt.completion_logprobs(lps, text_of, prep.logprobs, len(prep.echo))
         return fmt.completion_response(rid, call.created, model, prep.echo + text, finish, use, logprobs)
     message = chat_message(text, prep.tools)
-    if "tool_calls" in message:
+    if "tool_calls" in message and finish == "stop":  # cut by max_tokens, it stays "length"
         finish = "tool_calls"
     logprobs = fmt.chat_logprobs(lps, text_of, prep.logprobs) if prep.logprobs is not None else None
     return fmt.chat_response(rid, call.created, model, message, finish, use, logprobs)
@@ -97,7 +97,7 @@ class ChunkWriter:
             rest, calls = self.parser.finish()
             if rest:
                 chunks.append(self._chunk(rest))
-            if calls:
+            if calls and finish == "stop":  # cut by max_tokens, it stays "length"
                 finish = "tool_calls"
                 deltas = [{**tc, "index": i} for i, tc in enumerate(calls)]
                 chunks.append(self._chunk("", delta={"tool_calls": deltas}))

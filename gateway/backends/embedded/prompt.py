@@ -10,9 +10,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.engine.grammar import Grammar, schema_depth
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
+from specgate.gateway.backends.embedded.structured import checked, requested_grammar
+from specgate.gateway.backends.embedded.tools import (
+    MAX_PARAMETERS_DEPTH,
+    forced_tool,
+    template_supports_tools,
+    tool_call_lark,
+)
 from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
@@ -82,19 +90,6 @@ def _in_vocab(token_ids: Iterable[int], vocab: int, param: str, what: str) -> No
         raise GatewayError(400, f"{what} in [0, {vocab}) for this model", code="invalid_value", param=param)
 
 
-# vLLM's structured-output fields, which arrive as extras: the engine cannot constrain decoding
-# yet, so a request carrying one is refused rather than answered unconstrained (and told why).
-CONSTRAINT_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-)
-
-
 def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
     if (req.n or 1) > 1:
@@ -103,10 +98,20 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     # engine honours none of them, so a set one is refused, never silently dropped.
     for name, value in (req.model_extra or {}).items():
         if value is not None:
-            what = f"{name} (constrained decoding)" if name in CONSTRAINT_FIELDS else name
-            raise _refuse(f"{what} is not supported by the embedded engine", name)
+            raise _refuse(f"{name} is not supported by the embedded engine", name)
+    grammar, grammar_param = requested_grammar(req)
     if isinstance(req, ChatCompletionRequest):
         prompt_ids, tools = _chat_prompt(req, model)
+        forced = _tool_grammar(req, model)
+        if forced is not None:
+            if grammar is not None:
+                raise GatewayError(
+                    400,
+                    f"tool_choice forces a tool call, which {grammar_param} contradicts; send one of them",
+                    code="invalid_value",
+                    param="tool_choice",
+                )
+            grammar, grammar_param = forced, "tool_choice"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
     else:
@@ -140,16 +145,38 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
             logit_bias=bias,
+            grammar=checked(grammar, grammar_param) if grammar is not None else None,
         )
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value") from exc
     return Prepared(prompt_ids, params, rid, logprobs, tools, echo)
 
 
+def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | None:
+    """The grammar a forced tool_choice ("required", a named function) sets: the answer is tool calls
+    in the model's format whose arguments follow each function's parameters (one call unless
+    parallel_tool_calls)."""
+    try:
+        functions = forced_tool(req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), code="invalid_value", param="tool_choice") from None
+    if functions is None:
+        return None
+    for fn in functions:
+        params = fn.get("parameters")
+        if params is not None and schema_depth(params) > MAX_PARAMETERS_DEPTH:
+            raise GatewayError(
+                400,
+                f"the parameters of tool {fn['name']!r} nest more than {MAX_PARAMETERS_DEPTH} levels",
+                code="invalid_value",
+                param="tools",
+            )
+    native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
+    lark = tool_call_lark(functions, parallel=req.parallel_tool_calls is not False, native=native)
+    return Grammar("lark", lark)
+
+
 def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise _refuse(f"response_format {fmt!r} is not supported by the embedded engine", "response_format")
     tok = model.tokenizer
     try:
         messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)

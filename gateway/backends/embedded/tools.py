@@ -13,6 +13,49 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# Nesting of a tool's parameter schema (engine/grammar.py refuses deeper ones too).
+MAX_PARAMETERS_DEPTH = 32
+
+
+def forced_tool(
+    tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any
+) -> list[Mapping[str, Any]] | None:
+    """The functions a forced tool_choice allows ("required": any of the tools; a named function:
+    that one), or None when the choice does not force a call. ValueError for a name not in tools."""
+    if tool_choice == "required":
+        if not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return [t["function"] for t in tools]
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+        match = [t["function"] for t in tools or () if t["function"].get("name") == name]
+        if not match:
+            raise ValueError(f"tool_choice names the function {name[:64]!r}, which is not in tools")
+        return match[:1]
+    return None
+
+
+def tool_call_lark(functions: Sequence[Mapping[str, Any]], parallel: bool, native: bool) -> str:
+    """A Lark grammar (llguidance's dialect) of the answer a forced tool_choice allows: one call, or
+    one or more with parallel_tool_calls, each in the model's own tool-call format with its arguments
+    following the function's parameter schema."""
+    # Templates that render tools themselves (Qwen's) put each call on its own lines; the system
+    # prompt written here shows it inline.
+    nl = "\n" if native else ""
+    rules = []
+    for i, fn in enumerate(functions):
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        # The arguments in the form the format's example shows: one space after ',' and ':'.
+        params["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        head = json.dumps(f'{OPEN}{nl}{{"name": {json.dumps(fn["name"])}, "arguments": ')
+        tail = json.dumps(f"}}{nl}{CLOSE}")
+        rules.append(f"call_{i}: {head} args_{i} {tail}\nargs_{i}: %json {json.dumps(params)}")
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    top = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([top, f"call: {calls}", *rules])
 
 
 def template_supports_tools(chat_template: str | None) -> bool:

@@ -1,0 +1,255 @@
+"""Structured outputs on the embedded engine: the one grammar a request's fields ask for, checked.
+
+Three spellings reach here: OpenAI's `response_format` (json_object, json_schema), vLLM's
+`structured_outputs` (json, regex, choice, grammar, json_object, structural_tag) and vLLM's older
+`guided_*` fields, which are aliases of its keys; a forced `tool_choice` ("required" or a named
+function) is a grammar of the model's tool-call format (tools.py). A request may ask for one
+constraint; two are a 400, as is anything the grammar library would enforce only in part (an
+unsupported keyword, a format it does not know), checked before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from specgate.engine.grammar import MAX_SCHEMA_DEPTH, Grammar, check, schema_depth
+from specgate.gateway.protocol.errors import GatewayError
+from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest, StructuredOutputs
+
+# vLLM's guided_decoding_backend names that mean "whichever library the server has"; a request
+# asking for a specific other one is told which one this server uses.
+_ANY_BACKEND = ("auto", "guidance", "llguidance")
+
+
+def _invalid(message: str, param: str) -> GatewayError:
+    return GatewayError(400, message, code="invalid_value", param=param)
+
+
+def _schema(value: Any, param: str) -> Mapping[str, Any]:
+    """A JSON schema given as an object, as true / false, or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _invalid(f"{param} is not valid JSON: {exc}", param) from None
+    if value is True:
+        value = {}  # any JSON value
+    if not isinstance(value, dict):
+        raise _invalid(f"{param} must be a JSON schema (an object, or true)", param)
+    if schema_depth(value) > MAX_SCHEMA_DEPTH:
+        raise _invalid(f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param)
+    cycle = _ref_cycle(value)
+    if cycle is not None:
+        raise _invalid(
+            f"{param} refers to itself with no value in between ({cycle[:100]}): no value matches it", param
+        )
+    return value
+
+
+# Keys that only describe a schema; a schema made of "$ref" and these is a pure reference.
+_ANNOTATIONS = frozenset({"$ref", "title", "description", "$comment", "examples", "default", "deprecated"})
+
+
+def _ref_cycle(schema: Mapping[str, Any]) -> str | None:
+    """A chain of pure references that returns to itself ({"$ref": "#/$defs/a"} where a is the same),
+    which no value can satisfy and would leave a request's output with no possible token."""
+    targets: dict[str, Any] = {"#": schema}
+    for section in ("$defs", "definitions"):
+        for name, sub in (
+            (schema.get(section) or {}).items() if isinstance(schema.get(section), Mapping) else ()
+        ):
+            targets[f"#/{section}/{name}"] = sub
+    for node in targets.values():
+        seen: set[str] = set()
+        while isinstance(node, Mapping) and isinstance(node.get("$ref"), str) and set(node) <= _ANNOTATIONS:
+            ref = node["$ref"]
+            if ref in seen:
+                return ref
+            seen.add(ref)
+            node = targets.get(ref)
+    return None
+
+
+def _closed(schema: Any) -> Any:
+    """vLLM's disable_additional_properties: every object schema that does not say otherwise
+    allows no properties beyond the ones it names."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _from_response_format(fmt: Mapping[str, Any]) -> Grammar | None:
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_schema({"type": "object"})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise _invalid("response_format.json_schema needs a schema", "response_format.json_schema")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise _invalid(
+                f"unknown keys in response_format.json_schema: {', '.join(sorted(unknown))[:200]}",
+                "response_format.json_schema",
+            )
+        # strict or not, the schema is enforced exactly: OpenAI's non-strict mode promises less.
+        return Grammar.json_schema(_schema(spec["schema"], "response_format.json_schema.schema"))
+    raise _invalid(
+        f"response_format type {str(kind)[:64]!r} is not one of text, json_object, json_schema",
+        "response_format",
+    )
+
+
+def _struct_tag(value: Mapping[str, Any] | str) -> Grammar:
+    """vLLM's structural tag: free text in which each trigger opens a structure whose body follows a
+    JSON schema, as a Lark grammar with lazy triggers (llguidance's StructTag)."""
+    from llguidance import StructTag
+
+    param = "structured_outputs.structural_tag"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _invalid(f"{param} is not valid JSON: {exc}", param) from None
+    if (
+        not isinstance(value, Mapping)
+        or not isinstance(value.get("structures"), list)
+        or not value["structures"]
+    ):
+        raise _invalid(f"{param} needs a non-empty list of structures", param)
+    triggers = value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise _invalid(f"{param} needs a non-empty list of trigger strings", param)
+    tags = []
+    for s in value["structures"]:
+        if not isinstance(s, Mapping) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise _invalid(f"each structure of {param} needs begin and end strings", param)
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise _invalid(
+                f"the structure beginning {s['begin'][:64]!r} starts with none of the triggers", param
+            )
+        schema = _schema(s.get("schema", {"type": "object"}), f"{param}.schema")
+        tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=dict(schema), end=s["end"]))
+    return Grammar("lark", StructTag.to_grammar(tags, assume_special=False))
+
+
+def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
+    chosen = [
+        name
+        for name in ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")
+        if getattr(so, name) not in (None, False)
+    ]
+    if len(chosen) > 1:
+        names = ", ".join(n.rstrip("_") for n in chosen)
+        raise _invalid(
+            f"{param} may set one of json, regex, choice, grammar, json_object, structural_tag; got {names}",
+            param,
+        )
+    whitespace = so.whitespace_pattern
+    if so.disable_any_whitespace and whitespace is not None:
+        raise _invalid(f"{param}: disable_any_whitespace contradicts whitespace_pattern", param)
+    if (whitespace is not None or so.disable_additional_properties) and not (
+        so.json_ is not None or so.json_object
+    ):
+        raise _invalid(
+            f"{param}: whitespace_pattern and disable_additional_properties apply to json only", param
+        )
+    if so.json_ is not None:
+        schema = _schema(so.json_, f"{param}.json")
+        if so.disable_additional_properties:
+            schema = _closed(schema)
+        return Grammar.json_schema(schema, whitespace)
+    if so.json_object:
+        return Grammar.json_schema({"type": "object"}, whitespace)
+    if so.regex is not None:
+        return Grammar("regex", so.regex)
+    if so.choice is not None:
+        return Grammar.choice(so.choice)
+    if so.grammar is not None:
+        # GBNF (llama.cpp's, what vLLM's EBNF users write) or llguidance's Lark; the converter tells.
+        return Grammar("gbnf", so.grammar)
+    if so.structural_tag is not None:
+        return _struct_tag(so.structural_tag)
+    return None
+
+
+def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+    """vLLM's older guided_* fields as the structured_outputs they are aliases of."""
+    fields = {
+        "json": req.guided_json,
+        "regex": req.guided_regex,
+        "choice": req.guided_choice,
+        "grammar": req.guided_grammar,
+        "whitespace_pattern": req.guided_whitespace_pattern,
+    }
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return None
+    return StructuredOutputs(**given)
+
+
+def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[Grammar | None, str]:
+    """The grammar the request's structured-output fields ask for (None: none) and the parameter
+    that asked; a 400 for contradictory or malformed ones. Forced tool calls are tools.py's."""
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in _ANY_BACKEND:
+        raise GatewayError(
+            400,
+            f"guided_decoding_backend {backend[:64]!r} is not available; this server constrains with "
+            f"llguidance (send one of {', '.join(_ANY_BACKEND)}, or leave it out)",
+            code="unsupported_parameter",
+            param="guided_decoding_backend",
+        )
+    found: list[tuple[Grammar | None, str]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        found.append((_from_response_format(fmt), "response_format"))
+    if req.structured_outputs is not None:
+        found.append((_from_structured(req.structured_outputs, "structured_outputs"), "structured_outputs"))
+    guided = _guided(req)
+    if guided is not None:
+        names = (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_whitespace_pattern",
+        )
+        param = next(n for n in names if getattr(req, n) is not None)
+        found.append((_from_structured(guided, param), param))
+    asked = [(g, p) for g, p in found if g is not None]
+    if len(asked) > 1:
+        raise _invalid(f"ask for one output constraint; got {' and '.join(p for _, p in asked)}", asked[1][1])
+    return asked[0] if asked else (None, "")
+
+
+def checked(grammar: Grammar, param: str) -> Grammar:
+    """The grammar once llguidance would enforce all of it; else a 400 naming the parameter and the
+    library's reason (an unsupported keyword, a syntax error, a grammar over its limits)."""
+    problem = check(grammar)
+    if problem is not None:
+        raise GatewayError(
+            400, f"{param} cannot be enforced: {problem[:500]}", code="invalid_grammar", param=param
+        )
+    return grammar
+
+
+def wants_json(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the request asks for JSON output (the routing policy's json_mode), without checking it."""
+    fmt = (req.response_format or {}).get("type")
+    so = req.structured_outputs
+    return (
+        fmt in ("json_object", "json_schema")
+        or req.guided_json is not None
+        or (so is not None and (so.json_ is not None or bool(so.json_object)))
+    )
