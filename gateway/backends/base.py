@@ -29,6 +29,7 @@ class Observation:
     queue_time: float | None = None  # seconds waiting for a batch slot (embedded)
     # Speculation counters in vLLM's vocabulary (embedded engine, or parsed from the backend).
     spec_decoding: dict[str, Any] | None = None
+    grammar: str | None = None  # the kind of output constraint the backend enforced; None: none
     # Raw timing / speculation fields a backend reported: vLLM `metrics`, SGLang `meta_info`,
     # llama.cpp `timings`.
     upstream: dict[str, Any] = field(default_factory=dict)

@@ -159,9 +159,12 @@ def metrics_from_stats(stats: RequestStats, route: RouteDecision | None) -> dict
 
 def spec_decoding(stats: RequestStats) -> dict[str, Any]:
     spec = stats.spec
+    # Drafted tokens a grammar forced: a constrained request drafts them with or without a method.
+    forced = stats.num_forced_draft_tokens
     if spec is None:
-        return {"method": None}
+        return {"method": None, "num_forced_draft_tokens": forced}
     return {
+        "num_forced_draft_tokens": forced,
         "method": spec.method,
         "num_drafts": spec.num_drafts,
         "num_draft_tokens": spec.num_draft_tokens,

@@ -103,6 +103,7 @@ class RequestTracker:
             attempts=obs.attempts,
             load=self.load,
             spec_decoding=obs.spec_decoding,
+            grammar=obs.grammar,
             upstream=obs.upstream,
             overhead_ms=self.overhead_ms,
             spec_steps=obs.spec_steps,

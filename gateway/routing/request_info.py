@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specgate.gateway.backends.embedded.structured import wants_json
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.policies.request import RequestInfo
 
@@ -21,14 +22,13 @@ def request_info(request: ChatCompletionRequest | CompletionRequest) -> RequestI
             if m.role == "user":
                 last_user = text
         fns = [t["function"] for t in request.tools or []]
-        fmt = (request.response_format or {}).get("type")
         forced = isinstance(request.tool_choice, dict) or request.tool_choice == "required"
         return RequestInfo(
             text="\n\n".join(texts),
             last_user=last_user,
             tool_names=[str(f.get("name")) for f in fns],
             tool_descriptions=[str(f.get("description") or "") for f in fns],
-            json_mode=fmt in ("json_object", "json_schema") or (forced and bool(fns)),
+            json_mode=wants_json(request) or (forced and bool(fns)),
             num_messages=len(request.messages),
             max_tokens=request.token_limit,
             temperature=temperature,
@@ -46,6 +46,7 @@ def request_info(request: ChatCompletionRequest | CompletionRequest) -> RequestI
         text=text,
         last_user=text,
         prompt_tokens=tokens,
+        json_mode=wants_json(request),
         max_tokens=request.max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -41,6 +41,7 @@ class RequestRecord:
     attempts: int = 0
     load: Load | None = None  # what the router saw at arrival
     spec_decoding: dict[str, Any] | None = None
+    grammar: str | None = None  # the output constraint's kind (engine/grammar.py KINDS); None: none
     upstream: dict[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called
     # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.

@@ -79,6 +79,8 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "num_accepted_tokens_per_pos": spec.get("num_accepted_tokens_per_pos"),
         "num_tree_drafts": spec.get("num_tree_drafts"),
         "mean_draft_nodes": spec.get("mean_draft_nodes"),
+        "grammar": rec.grammar,
+        "num_forced_draft_tokens": spec.get("num_forced_draft_tokens"),
         "propensity": route.get("propensity"),
         "affinity_group": affinity.get("group"),
         "affinity_source": affinity.get("source"),

@@ -93,6 +93,11 @@ requests = Table(
     # Draft trees: verification steps whose draft branched; drafted tokens (tree nodes) per step.
     Column("num_tree_drafts", Integer),
     Column("mean_draft_nodes", Float),
+    # Structured outputs: the constraint's kind (json_schema | regex | choice | lark | gbnf; NULL:
+    # none) and the drafted tokens its grammar forced (counted in num_draft_tokens too when the
+    # request speculated).
+    Column("grammar", String(16)),
+    Column("num_forced_draft_tokens", Integer),
     # The probability the routing policy had of choosing the arm it chose (off-policy evaluation).
     Column("propensity", Float),
     # Replica affinity (routing/affinity.py): the replica group, what keyed the conversation

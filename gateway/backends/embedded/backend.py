@@ -212,6 +212,7 @@ class EmbeddedBackend:
             prep = prepare(call, model)
         spec = self._spec_params(call)
         call.observed.prompt_tokens = len(prep.prompt_ids)
+        call.observed.grammar = prep.params.grammar.kind if prep.params.grammar is not None else None
         call.engine_id = f"{call.request_id}#{next(self._ids)}"
         q = client.submit(
             call.engine_id,

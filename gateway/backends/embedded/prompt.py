@@ -20,6 +20,7 @@ from specgate.gateway.backends.embedded.tools import (
     forced_tool,
     template_supports_tools,
     tool_call_lark,
+    tool_tags_lark,
 )
 from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
@@ -112,6 +113,11 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
                     param="tool_choice",
                 )
             grammar, grammar_param = forced, "tool_choice"
+        elif grammar is None and tools:
+            # tool_choice "auto": prose stays free, a tool call the model opens must be a valid one.
+            native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
+            grammar = Grammar("lark", tool_tags_lark([t["function"] for t in req.tools or ()], native))
+            grammar_param = "tools"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
     else:

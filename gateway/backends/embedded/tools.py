@@ -38,6 +38,32 @@ def forced_tool(
     return None
 
 
+def _arguments_schema(fn: Mapping[str, Any]) -> dict[str, Any]:
+    params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+    # The arguments in the form the format's example shows: one space after ',' and ':'.
+    params["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return params
+
+
+def tool_tags_lark(functions: Sequence[Mapping[str, Any]], native: bool) -> str:
+    """A Lark grammar for tool_choice "auto": free text, in which every `<tool_call>` the model opens
+    must be a call of one of the functions with arguments that follow its parameters (llguidance's
+    lazy triggers), so a tool call is valid by construction and prose is untouched."""
+    from llguidance import StructTag
+
+    nl = "\n" if native else ""
+    tags = [
+        StructTag(
+            trigger=OPEN,
+            begin=f'{OPEN}{nl}{{"name": {json.dumps(fn["name"])}, "arguments": ',
+            grammar=_arguments_schema(fn),
+            end=f"}}{nl}{CLOSE}",
+        )
+        for fn in functions
+    ]
+    return str(StructTag.to_grammar(tags, assume_special=False))
+
+
 def tool_call_lark(functions: Sequence[Mapping[str, Any]], parallel: bool, native: bool) -> str:
     """A Lark grammar (llguidance's dialect) of the answer a forced tool_choice allows: one call, or
     one or more with parallel_tool_calls, each in the model's own tool-call format with its arguments
@@ -47,9 +73,7 @@ def tool_call_lark(functions: Sequence[Mapping[str, Any]], parallel: bool, nativ
     nl = "\n" if native else ""
     rules = []
     for i, fn in enumerate(functions):
-        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
-        # The arguments in the form the format's example shows: one space after ',' and ':'.
-        params["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        params = _arguments_schema(fn)
         head = json.dumps(f'{OPEN}{nl}{{"name": {json.dumps(fn["name"])}, "arguments": ')
         tail = json.dumps(f"}}{nl}{CLOSE}")
         rules.append(f"call_{i}: {head} args_{i} {tail}\nargs_{i}: %json {json.dumps(params)}")
