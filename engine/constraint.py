@@ -24,8 +24,6 @@ from collections.abc import Sequence
 import torch
 from llguidance import LLMatcher
 
-_BITS = torch.arange(8, dtype=torch.uint8)  # bit i of a mask byte is token 8 * byte + i
-
 
 class ConstraintError(RuntimeError):
     """The grammar's matcher failed (a resource limit, an internal error): the request ends."""
@@ -73,11 +71,12 @@ class Constraint:
         """[vocab_size] bool: the tokens the grammar allows next, at the matcher's current state."""
         if self._matcher.is_error():
             raise ConstraintError(self._matcher.get_error())
-        packed = torch.frombuffer(
-            bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8
-        )  # [words * 4]
-        bits = (packed.unsqueeze(-1) >> _BITS) & 1  # [bytes, 8]
-        mask = bits.reshape(-1)[: self.vocab_size].bool()
+        # One byte per token (0: refused) turns into a bool mask in one pass; unpacking the 32-bit
+        # bitmask costs about twice as much on a 150k vocabulary.
+        raw = bytearray(self._matcher.compute_logit_bias())
+        if self._matcher.is_error():  # the grammar failed while computing this mask
+            raise ConstraintError(self._matcher.get_error())
+        mask = torch.frombuffer(raw, dtype=torch.uint8)[: self.vocab_size] != 0  # [<= vocab_size]
         if mask.shape[0] < self.vocab_size:  # tokens past the grammar's vocabulary: never allowed
             mask = torch.cat([mask, mask.new_zeros(self.vocab_size - mask.shape[0])])
         if not bool(mask.any()):

@@ -99,10 +99,18 @@ def completion_response(
     }
 
 
+# A token a grammar refuses has logprob -inf, which JSON cannot say; vLLM reports this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText, top_n: int) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         token = text_of(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
 
     return {
         "content": [
@@ -122,8 +130,8 @@ def completion_logprobs(
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{text_of(t): v for t, v in lp.top[:top_n]} for lp in lps],
+        "token_logprobs": [_finite(lp.logprob) for lp in lps],
+        "top_logprobs": [{text_of(t): _finite(v) for t, v in lp.top[:top_n]} for lp in lps],
         "text_offset": offsets,
     }
 

@@ -97,8 +97,9 @@ class ChunkWriter:
             rest, calls = self.parser.finish()
             if rest:
                 chunks.append(self._chunk(rest))
-            if calls and finish == "stop":  # cut by max_tokens, it stays "length"
-                finish = "tool_calls"
+            if calls:
+                if finish == "stop":  # cut by max_tokens, it stays "length"
+                    finish = "tool_calls"
                 deltas = [{**tc, "index": i} for i, tc in enumerate(calls)]
                 chunks.append(self._chunk("", delta={"tool_calls": deltas}))
         last = self._chunk("", finish)

@@ -101,6 +101,14 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         if value is not None:
             raise _refuse(f"{name} is not supported by the embedded engine", name)
     grammar, grammar_param = requested_grammar(req)
+    for name in ("ignore_eos", "min_tokens"):
+        if grammar is not None and getattr(req, name):  # forced tool calls: checked in _tool_grammar
+            raise GatewayError(
+                400,
+                f"{name} cannot be combined with {grammar_param}: the grammar decides where the output ends",
+                code="invalid_value",
+                param=name,
+            )
     if isinstance(req, ChatCompletionRequest):
         prompt_ids, tools = _chat_prompt(req, model)
         forced = _tool_grammar(req, model)
@@ -116,7 +124,8 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         elif grammar is None and tools:
             # tool_choice "auto": prose stays free, a tool call the model opens must be a valid one.
             native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
-            grammar = Grammar("lark", tool_tags_lark([t["function"] for t in req.tools or ()], native))
+            functions = [t["function"] for t in req.tools or ()]
+            grammar = _lark(tool_tags_lark(functions, native), "tools")
             grammar_param = "tools"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
@@ -177,9 +186,24 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
                 code="invalid_value",
                 param="tools",
             )
+    for name in ("ignore_eos", "min_tokens"):
+        if getattr(req, name):
+            raise GatewayError(
+                400,
+                f"{name} cannot be combined with a forced tool_choice: the grammar decides where output ends",
+                code="invalid_value",
+                param=name,
+            )
     native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
     lark = tool_call_lark(functions, parallel=req.parallel_tool_calls is not False, native=native)
-    return Grammar("lark", lark)
+    return _lark(lark, "tools")
+
+
+def _lark(text: str, param: str) -> Grammar:
+    try:
+        return Grammar("lark", text)
+    except ValueError as exc:  # over the grammar size limit: the tools' schemas are too big
+        raise GatewayError(400, f"{param}: {exc}", code="invalid_value", param=param) from None
 
 
 def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:

@@ -40,7 +40,7 @@ def _schema(value: Any, param: str) -> Mapping[str, Any]:
         raise _invalid(f"{param} must be a JSON schema (an object, or true)", param)
     if schema_depth(value) > MAX_SCHEMA_DEPTH:
         raise _invalid(f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param)
-    cycle = _ref_cycle(value)
+    cycle = _must_cycle(value)
     if cycle is not None:
         raise _invalid(
             f"{param} refers to itself with no value in between ({cycle[:100]}): no value matches it", param
@@ -48,27 +48,64 @@ def _schema(value: Any, param: str) -> Mapping[str, Any]:
     return value
 
 
-# Keys that only describe a schema; a schema made of "$ref" and these is a pure reference.
-_ANNOTATIONS = frozenset({"$ref", "title", "description", "$comment", "examples", "default", "deprecated"})
+def _pointer(root: Any, ref: str) -> Any:
+    """The schema a local `$ref` ("#", "#/$defs/a", "#/properties/x/items") points at, or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
-def _ref_cycle(schema: Mapping[str, Any]) -> str | None:
-    """A chain of pure references that returns to itself ({"$ref": "#/$defs/a"} where a is the same),
-    which no value can satisfy and would leave a request's output with no possible token."""
-    targets: dict[str, Any] = {"#": schema}
-    for section in ("$defs", "definitions"):
-        for name, sub in (
-            (schema.get(section) or {}).items() if isinstance(schema.get(section), Mapping) else ()
-        ):
-            targets[f"#/{section}/{name}"] = sub
-    for node in targets.values():
-        seen: set[str] = set()
-        while isinstance(node, Mapping) and isinstance(node.get("$ref"), str) and set(node) <= _ANNOTATIONS:
-            ref = node["$ref"]
-            if ref in seen:
-                return ref
-            seen.add(ref)
-            node = targets.get(ref)
+def _must_cycle(root: Mapping[str, Any]) -> str | None:
+    """A schema that must contain itself: following only what every valid value must hold (a `$ref`,
+    each `allOf` part, each required property, an array's items when it needs at least one) comes
+    back to where it started, so no finite value matches and the grammar dead-ends mid-answer."""
+    visiting: set[int] = set()
+    done: set[int] = set()
+
+    # Iterative depth-first search over schema objects (by identity); a frame is (node, its edges).
+    def edges(node: Mapping[str, Any]) -> list[tuple[Any, str]]:
+        out: list[tuple[Any, str]] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            out.append((_pointer(root, ref), ref))
+        for part in node.get("allOf") or () if isinstance(node.get("allOf"), list) else ():
+            out.append((part, "allOf"))
+        props = node.get("properties")
+        if isinstance(props, Mapping) and isinstance(node.get("required"), list):
+            out.extend(
+                (props[k], f"properties/{k}") for k in node["required"] if isinstance(k, str) and k in props
+            )
+        min_items = node.get("minItems")
+        if isinstance(min_items, int) and min_items > 0 and isinstance(node.get("items"), Mapping):
+            out.append((node["items"], "items"))
+        return [(n, why) for n, why in out if isinstance(n, Mapping)]
+
+    stack: list[tuple[Mapping[str, Any], list[tuple[Any, str]]]] = [(root, edges(root))]
+    visiting.add(id(root))
+    while stack:
+        node, todo = stack[-1]
+        if not todo:
+            stack.pop()
+            visiting.discard(id(node))
+            done.add(id(node))
+            continue
+        child, why = todo.pop()
+        if id(child) in visiting:
+            return why
+        if id(child) not in done:
+            visiting.add(id(child))
+            stack.append((child, edges(child)))
     return None
 
 
@@ -165,7 +202,8 @@ def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
             f"{param}: whitespace_pattern and disable_additional_properties apply to json only", param
         )
     if so.json_ is not None:
-        schema = _schema(so.json_, f"{param}.json")
+        # guided_json is itself the schema; structured_outputs.json is a key of its object.
+        schema = _schema(so.json_, param if param.startswith("guided_") else f"{param}.json")
         if so.disable_additional_properties:
             schema = _closed(schema)
         return Grammar.json_schema(schema, whitespace)
@@ -198,6 +236,18 @@ def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs
     return StructuredOutputs(**given)
 
 
+def _built(make: Any, source: Any, param: str) -> Grammar | None:
+    """A grammar made from a field, its own limits (size, depth) refused as a 400 naming the field."""
+    try:
+        if make is _from_response_format:
+            return make(source)  # type: ignore[no-any-return]
+        return make(source, param)  # type: ignore[no-any-return]
+    except GatewayError:
+        raise
+    except ValueError as exc:
+        raise _invalid(f"{param}: {exc}", param) from None
+
+
 def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[Grammar | None, str]:
     """The grammar the request's structured-output fields ask for (None: none) and the parameter
     that asked; a 400 for contradictory or malformed ones. Forced tool calls are tools.py's."""
@@ -213,9 +263,10 @@ def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[G
     found: list[tuple[Grammar | None, str]] = []
     fmt = req.response_format
     if fmt is not None:
-        found.append((_from_response_format(fmt), "response_format"))
+        found.append((_built(_from_response_format, fmt, "response_format"), "response_format"))
     if req.structured_outputs is not None:
-        found.append((_from_structured(req.structured_outputs, "structured_outputs"), "structured_outputs"))
+        so = req.structured_outputs
+        found.append((_built(_from_structured, so, "structured_outputs"), "structured_outputs"))
     guided = _guided(req)
     if guided is not None:
         names = (
@@ -226,7 +277,7 @@ def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[G
             "guided_whitespace_pattern",
         )
         param = next(n for n in names if getattr(req, n) is not None)
-        found.append((_from_structured(guided, param), param))
+        found.append((_built(_from_structured, guided, param), param))
     asked = [(g, p) for g, p in found if g is not None]
     if len(asked) > 1:
         raise _invalid(f"ask for one output constraint; got {' and '.join(p for _, p in asked)}", asked[1][1])

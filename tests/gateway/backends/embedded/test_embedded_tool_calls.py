@@ -71,3 +71,28 @@ def test_whole_message_has_tool_calls_and_remaining_content() -> None:
         "role": "assistant",
         "content": "".join(PIECES),
     }
+
+
+def test_a_stream_cut_by_length_keeps_its_complete_tool_calls() -> None:
+    """A call that closed before max_tokens cut the answer is still a tool call (as in the body);
+    the finish reason stays "length"."""
+    call, prep = _call(stream=True)
+    writer = ChunkWriter(call, prep, str)
+    stats = RequestStats(arrival_time=0.0, num_prompt_tokens=3, num_output_tokens=2)
+    outs = [
+        RequestOutput(
+            "r1", [0], '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False, None, stats
+        ),
+        RequestOutput("r1", [1], "\n<tool_", True, "length", stats),
+    ]
+    chunks = []
+    for out in outs:
+        chunks += writer.write(out)
+    chunks += writer.finish(outs[-1])
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    finals = [
+        c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+    ]
+    assert finals == ["length"]
