@@ -11,7 +11,7 @@ unsupported keyword, a format it does not know), checked before the request reac
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specgate.engine.grammar import MAX_SCHEMA_DEPTH, Grammar, check, schema_depth
@@ -122,7 +122,7 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-def _from_response_format(fmt: Mapping[str, Any]) -> Grammar | None:
+def _from_response_format(fmt: Mapping[str, Any], _param: str = "response_format") -> Grammar | None:
     kind = fmt.get("type", "text")
     if kind == "text":
         return None
@@ -236,12 +236,10 @@ def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs
     return StructuredOutputs(**given)
 
 
-def _built(make: Any, source: Any, param: str) -> Grammar | None:
+def _built(make: Callable[[Any, str], Grammar | None], source: Any, param: str) -> Grammar | None:
     """A grammar made from a field, its own limits (size, depth) refused as a 400 naming the field."""
     try:
-        if make is _from_response_format:
-            return make(source)  # type: ignore[no-any-return]
-        return make(source, param)  # type: ignore[no-any-return]
+        return make(source, param)
     except GatewayError:
         raise
     except ValueError as exc:

@@ -158,23 +158,31 @@ def draft_logits(tokens: tuple[int, ...]) -> torch.Tensor:
     return 0.4 * target_logits(tokens) + _seeded_logits(tokens, 2, 1.6)
 
 
-def masked_conditional(output: tuple[int, ...], temperature: float) -> torch.Tensor:
-    """[vocab] float64: the target's masked law after PROMPT + output, computed by hand."""
+def masked_law(logits: torch.Tensor, allowed: Seq[int], temperature: float, top_k: int = 0) -> torch.Tensor:
+    """[vocab] float64, by hand: tokens outside `allowed` removed, then temperature, then the top_k
+    best of the allowed tokens (0: all)."""
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[list(allowed)] = True
+    logits = logits.masked_fill(~keep, -math.inf) / temperature
+    if 0 < top_k < len(allowed):
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], -math.inf)
+    return logits.softmax(-1)
+
+
+def masked_conditional(output: tuple[int, ...], temperature: float, top_k: int = 0) -> torch.Tensor:
+    """[vocab] float64: the target's masked law after PROMPT + output."""
     state = state_after(output)
     assert state is not None
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
-    allowed[list(TRANSITIONS[state])] = True
-    logits = target_logits((*PROMPT, *output)).masked_fill(~allowed, -math.inf)
-    return (logits / temperature).softmax(-1)
+    return masked_law(target_logits((*PROMPT, *output)), list(TRANSITIONS[state]), temperature, top_k)
 
 
-def exact_law(start: tuple[int, ...], length: int, temperature: float) -> dict[tuple[int, ...], float]:
+def exact_law(start: tuple[int, ...], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
     """The law of the next `length` output tokens after `start`: products of masked conditionals."""
     law: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         nxt: dict[tuple[int, ...], float] = {}
         for seq, prob in law.items():
-            cond = masked_conditional((*start, *seq), temperature)
+            cond = masked_conditional((*start, *seq), params.temperature, params.top_k)
             for t in cond.nonzero().flatten().tolist():
                 nxt[(*seq, t)] = prob * float(cond[t])
         law = nxt
@@ -240,16 +248,16 @@ def new_sequence(start: tuple[int, ...], params: SamplingParams, generator: torc
     )
 
 
-# (token history, temperature, masked) -> the processed draft logits: a pure function of them, since
-# the mask is the automaton's after the history's output.
-_DRAFT_LAWS: dict[tuple[tuple[int, ...], float, bool], torch.Tensor] = {}
+# (token history, temperature, top_k, masked) -> the processed draft logits: a pure function of them,
+# since the mask is the automaton's after the history's output.
+_DRAFT_LAWS: dict[tuple[tuple[int, ...], float, int, bool], torch.Tensor] = {}
 
 
 def _draft_law(req: ProposalRequest, drafts: list[int], masked: bool) -> tuple[torch.Tensor, SamplingRow]:
     """Processed draft logits [vocab] for the position after `drafts` (under the mask, or not), and
     the masked draft row (draft_row, as the draft-model proposer builds it)."""
     row = draft_row(req, drafts)
-    key = (tuple(row.token_ids), row.params.temperature, masked)
+    key = (tuple(row.token_ids), row.params.temperature, row.params.top_k, masked)
     if key not in _DRAFT_LAWS:
         use = row if masked else SamplingRow(row.params, row.token_ids, row.num_prompt_tokens, row.generator)
         _DRAFT_LAWS[key] = process_logits(draft_logits(key[0]).unsqueeze(0), [use])[0]
@@ -337,7 +345,7 @@ def speculative_step(seq: Sequence, proposer: str, bugs: Bugs) -> list[int]:
     base = sampling_row(seq, [], NO_EOS)
     nodes = sum(TREE_SHAPE.values()) if proposer.endswith("tree") else 0
     req = ProposalRequest("r", list(seq.token_ids), seq.num_prompt_tokens, K, base, nodes, constraint)
-    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), 16, 1024)
+    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), cap=16, budget=1024)
     if draft is None:  # nothing to verify: a plain decode
         draft = Proposal([])
     rows_of = histories(draft)
@@ -354,11 +362,18 @@ def speculative_step(seq: Sequence, proposer: str, bugs: Bugs) -> list[int]:
     if not draft.token_ids:
         return sample(processed, rows)
     greedy = seq.params.greedy
-    return verify_draft(processed, draft.token_ids, draft.parents, draft.probs, greedy, seq.generator).token_ids
+    return verify_draft(
+        processed, draft.token_ids, draft.parents, draft.probs, greedy, seq.generator
+    ).token_ids
 
 
 def generate(
-    proposer: str, start: tuple[int, ...], params: SamplingParams, generator: torch.Generator, length: int, bugs: Bugs
+    proposer: str,
+    start: tuple[int, ...],
+    params: SamplingParams,
+    generator: torch.Generator,
+    length: int,
+    bugs: Bugs,
 ) -> tuple[int, ...]:
     """The first `length` tokens emitted by speculative steps from `start` (ending in INVALID where a
     grammar-invalid token was emitted)."""
@@ -378,10 +393,9 @@ def generate(
 
 
 def simulate(
-    proposer: str, start: tuple[int, ...], n: int, seed: int, bugs: Bugs = Bugs()
+    proposer: str, start: tuple[int, ...], params: SamplingParams, n: int, seed: int, bugs: Bugs = Bugs()
 ) -> Counter[tuple[int, ...]]:
-    """Counts of the first LENGTH emitted tokens over n independent runs at TEMPERATURE."""
-    params = SamplingParams(temperature=TEMPERATURE)
+    """Counts of the first LENGTH emitted tokens over n independent runs."""
     generator = torch.Generator().manual_seed(seed)
     return Counter(generate(proposer, start, params, generator, LENGTH, bugs) for _ in range(n))
 
@@ -428,20 +442,38 @@ def test_the_fake_automaton_has_free_and_forced_positions() -> None:
     assert constraint.valid_prefix([4, 1, 5, 1, 3]) == 4  # state 2 refuses 3
 
 
+def _first_token_law(p: torch.Tensor, q: torch.Tensor, reported: torch.Tensor) -> torch.Tensor:
+    """The law of the first token a one-token sampled chain emits: drafted from q, verified against
+    p with `reported` as its law (min(1, p / reported) to accept, else the residual)."""
+    ratio = torch.where(reported > 0, p / reported, 1.0)  # [vocab]; q is 0 where `reported` is
+    accepted = q * ratio.clamp(max=1.0)
+    residual = (p - reported).clamp(min=0.0)
+    return accepted + (1.0 - accepted.sum()) * residual / residual.sum()
+
+
 def test_each_planted_bug_changes_the_law_it_acts_on() -> None:
-    """The design behind the mutation checks, computed: neighbouring states allow different tokens,
-    the unmasked draft law puts much of its mass on invalid tokens, and so does the unmasked target."""
-    for state, moves in TRANSITIONS.items():
-        for nxt in moves.values():
-            assert set(TRANSITIONS[nxt]) != set(moves), (state, nxt)
-    for start in (FREE_START, (2,), (2, 1)):
-        state = state_after(start)
-        assert state is not None
-        invalid = [t for t in range(VOCAB) if t not in TRANSITIONS[state]]
-        draft = (draft_logits((*PROMPT, *start)) / TEMPERATURE).softmax(-1)
-        target = (target_logits((*PROMPT, *start)) / TEMPERATURE).softmax(-1)
-        assert float(draft[invalid].sum()) > 0.2
-        assert float(target[invalid].sum()) > 0.2
+    """The design behind the mutation checks, computed exactly in the first positions after
+    FREE_START: a row masked for its parent's prefix, an unmasked reported q and an unmasked target
+    row each move the law far (total variation above 0.2), while the correct q leaves it as it is."""
+    allowed = list(TRANSITIONS[0])
+    target = target_logits(PROMPT)
+    p = masked_law(target, allowed, TEMPERATURE)
+    # A row masked for its parent's prefix: the second token's law after each allowed first token.
+    for token in allowed:
+        state = TRANSITIONS[0][token]
+        logits = target_logits((*PROMPT, token))
+        right = masked_law(logits, list(TRANSITIONS[state]), TEMPERATURE)
+        wrong = masked_law(logits, allowed, TEMPERATURE)
+        assert 0.5 * float((right - wrong).abs().sum()) > 0.2, token
+    # An unmasked q reported for a draft drawn from the masked q.
+    draft = draft_logits(PROMPT)
+    q = masked_law(draft, allowed, TEMPERATURE)
+    q_unmasked = masked_law(draft, range(VOCAB), TEMPERATURE)
+    assert torch.allclose(_first_token_law(p, q, q), p)
+    assert 0.5 * float((_first_token_law(p, q, q_unmasked) - p).abs().sum()) > 0.2
+    # An unmasked target row: its law's mass on grammar-invalid tokens.
+    plain = masked_law(target, range(VOCAB), TEMPERATURE)
+    assert float(plain[[t for t in range(VOCAB) if t not in allowed]].sum()) > 0.2
 
 
 @pytest.mark.parametrize("start", [FREE_START, FORCED_START], ids=["free", "forced"])
@@ -454,24 +486,33 @@ def test_greedy_emits_the_masked_argmax_chain(proposer: str, start: tuple[int, .
     assert unmasked != expected
 
 
+SAMPLED = SamplingParams(temperature=TEMPERATURE)
 CORRECT_CASES = [
-    ("argmax_chain", FREE_START),
-    ("sampled_chain", FREE_START),
-    ("sampled_tree", FREE_START),
-    ("top_tree", FREE_START),
-    ("argmax_chain", FORCED_START),
-    ("sampled_chain", FORCED_START),
-    ("sampled_tree", FORCED_START),
+    ("argmax_chain", FREE_START, SAMPLED),
+    ("sampled_chain", FREE_START, SAMPLED),
+    ("sampled_tree", FREE_START, SAMPLED),
+    ("top_tree", FREE_START, SAMPLED),
+    ("argmax_chain", FORCED_START, SAMPLED),
+    ("sampled_chain", FORCED_START, SAMPLED),
+    ("sampled_tree", FORCED_START, SAMPLED),
+    # top-k acts on the allowed tokens: the two best of them, where the grammar allows more.
+    ("sampled_tree", FREE_START, SamplingParams(temperature=TEMPERATURE, top_k=2)),
 ]
 
 
+def _case_id(proposer: str, start: tuple[int, ...], params: SamplingParams) -> str:
+    return f"{proposer}-{'forced' if start else 'free'}" + (f"-top{params.top_k}" if params.top_k else "")
+
+
 @pytest.mark.parametrize(
-    ("proposer", "start"), CORRECT_CASES, ids=[f"{p}-{'forced' if s else 'free'}" for p, s in CORRECT_CASES]
+    ("proposer", "start", "params"), CORRECT_CASES, ids=[_case_id(*c) for c in CORRECT_CASES]
 )
-def test_sampled_speculation_follows_the_masked_law(proposer: str, start: tuple[int, ...]) -> None:
-    counts = simulate(proposer, start, SAMPLES, seed=11)
+def test_sampled_speculation_follows_the_masked_law(
+    proposer: str, start: tuple[int, ...], params: SamplingParams
+) -> None:
+    counts = simulate(proposer, start, params, SAMPLES, seed=11)
     assert INVALID not in {t for seq in counts for t in seq}
-    assert law_pvalue(counts, exact_law(start, LENGTH, TEMPERATURE)) > 1e-3
+    assert law_pvalue(counts, exact_law(start, LENGTH, params)) > 1e-3
 
 
 MUTATION_CASES = [
@@ -490,10 +531,12 @@ MUTATION_CASES = [
 def _mutation_id(case: tuple[Bugs, str, tuple[int, ...]]) -> str:
     bugs, proposer, start = case
     name = next(f for f in ("wrong_prefix_mask", "unmasked_q", "unmasked_target") if getattr(bugs, f))
-    return f"{name}-{proposer}-{'forced' if start else 'free'}"
+    return f"{name}-{_case_id(proposer, start, SAMPLED)}"
 
 
 @pytest.mark.parametrize(("bugs", "proposer", "start"), MUTATION_CASES, ids=map(_mutation_id, MUTATION_CASES))
-def test_a_planted_masking_bug_fails_the_same_check(bugs: Bugs, proposer: str, start: tuple[int, ...]) -> None:
-    counts = simulate(proposer, start, MUTATED_SAMPLES, seed=11, bugs=bugs)
-    assert law_pvalue(counts, exact_law(start, LENGTH, TEMPERATURE)) < 1e-6
+def test_a_planted_masking_bug_fails_the_same_check(
+    bugs: Bugs, proposer: str, start: tuple[int, ...]
+) -> None:
+    counts = simulate(proposer, start, SAMPLED, MUTATED_SAMPLES, seed=11, bugs=bugs)
+    assert law_pvalue(counts, exact_law(start, LENGTH, SAMPLED)) < 1e-6
