@@ -447,7 +447,8 @@ REFERENCE = {
     "llama-json": "json",
     "llama-free": "free",
 }
-# (label, arm, over arm, goal): paired by prompt, geometric mean of the per-request ratios.
+# (label, arm, over arm, goal): paired by prompt, geometric mean of the per-request ratios of decode
+# tokens/s (and end to end); STEP_RATIOS compare the mean time of a decode step instead.
 RATIOS: list[tuple[str, str, str, float | None]] = [
     ("constrained / unconstrained, plain", "json", "free", 0.90),
     ("constrained (forced off) / unconstrained", "json-noforce", "free", None),
@@ -461,6 +462,11 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
     ("json+suffix / json", "json-suffix", "json", None),
     ("free+ngram / free", "free-ngram", "free", None),
     ("free+suffix / free", "free-suffix", "free", None),
+]
+STEP_RATIOS: list[tuple[str, str, str]] = [
+    ("constrained (forced off) / unconstrained: the mask's cost per step", "json-noforce", "free"),
+    ("constrained (forced on) / unconstrained", "json", "free"),
+    ("forced drafts on / off", "json", "json-noforce"),
 ]
 
 
@@ -523,6 +529,7 @@ class Result:
     first: float | None = None
     done: float | None = None
     num_steps: int | None = None
+    decode_steps: int | None = None  # specgate: steps after the one that emitted the first token
     forced: int = 0  # drafted tokens the grammar forced
     spec: dict[str, Any] = field(default_factory=dict)  # metrics.spec_decoding
     status: str = ""  # validity: valid / invalid / unparsed
@@ -543,6 +550,13 @@ class Result:
         if self.first is None or self.done is None or self.output_tokens < 2 or self.done <= self.first:
             return None
         return (self.output_tokens - 1) / (self.done - self.first)
+
+    @property
+    def step_ms(self) -> float | None:
+        """specgate: mean time of a decode step (a forward pass and what surrounds it)."""
+        if self.first is None or self.done is None or not self.decode_steps:
+            return None
+        return (self.done - self.first) * 1e3 / self.decode_steps
 
     @property
     def e2e_tps(self) -> float | None:
@@ -604,18 +618,12 @@ def send(
     if not usage:  # llama-cpp-python streams one token per chunk and no usage
         res.output_tokens = max_tokens if res.finish == "length" else chunks
     res.text = "".join(parts)
+    if res.num_steps is not None:  # less the prefill chunks, the last of which emits the first token
+        uncached = max(0, res.prompt_tokens - res.cached_tokens)
+        res.decode_steps = res.num_steps - max(1, math.ceil(uncached / server.max_num_batched_tokens))
     res.ok = True
     res.status, res.lenient, res.invalid_reason = validity(res.text, case.schema)
     return res
-
-
-def decode_steps(res: Result, chunk: int) -> int | None:
-    """A specgate answer's decode steps: its steps less its prefill chunks (the last of which emits
-    the first token)."""
-    if res.num_steps is None:
-        return None
-    prefill = max(1, math.ceil(max(0, res.prompt_tokens - res.cached_tokens) / chunk))
-    return res.num_steps - prefill
 
 
 # ---- servers --------------------------------------------------------------------------------------
@@ -745,15 +753,16 @@ def _geomean(xs: Sequence[float]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def arm_summary(results: Sequence[Result], arm: str, chunk: int = 512) -> dict[str, Any]:
+def arm_summary(results: Sequence[Result], arm: str) -> dict[str, Any]:
     rs = [r for r in results if r.arm == arm]
     ok = [r for r in rs if r.ok]
     decode = [r.decode_tps for r in ok if r.decode_tps]
     e2e = [r.e2e_tps for r in ok if r.e2e_tps]
     ttft = [r.ttft * 1e3 for r in ok if r.ttft is not None]
-    steps = [(r.output_tokens - 1, decode_steps(r, chunk)) for r in ok if r.num_steps is not None]
-    emitted = sum(t for t, s in steps if s)
-    decode_n = sum(s for _, s in steps if s)
+    steps = [(r.output_tokens - 1, r.decode_steps) for r in ok if r.decode_steps]
+    emitted = sum(t for t, _ in steps)
+    decode_n = sum(n for _, n in steps if n)
+    step_ms = [r.step_ms for r in ok if r.step_ms]
     drafts = sum(r.spec.get("num_drafts") or 0 for r in ok)
     accepted = sum(r.spec.get("num_accepted_tokens") or 0 for r in ok)
     out_tokens = sum(r.output_tokens for r in ok)
@@ -770,6 +779,7 @@ def arm_summary(results: Sequence[Result], arm: str, chunk: int = 512) -> dict[s
         "decode_tps": _mean(decode),
         "e2e_tps": _mean(e2e),
         "tokens_per_step": emitted / decode_n if decode_n else None,
+        "step_ms": _mean(step_ms),
         "mean_acceptance_length": (accepted + drafts) / drafts if drafts else None,
         "forced_tokens": sum(r.forced for r in ok),
         "forced_share": sum(r.forced for r in ok) / out_tokens if out_tokens else None,
@@ -778,9 +788,9 @@ def arm_summary(results: Sequence[Result], arm: str, chunk: int = 512) -> dict[s
 
 def paired_ratio(
     results: Sequence[Result], a: str, b: str, metric: str, source: str | None = None
-) -> tuple[float | None, int]:
-    """Geometric mean over prompts (and repetitions) of arm a's metric over arm b's, and how many
-    pairs it is over."""
+) -> tuple[float | None, float | None, int]:
+    """Geometric mean and median over prompts (and repetitions) of arm a's metric over arm b's,
+    and how many pairs they are over."""
     by: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     for r in results:
         if r.ok and (source is None or r.source == source):
@@ -788,7 +798,7 @@ def paired_ratio(
             if value:
                 by[(r.case_id, r.rep)][r.arm] = value
     ratios = [v[a] / v[b] for v in by.values() if a in v and b in v]
-    return _geomean(ratios), len(ratios)
+    return _geomean(ratios), statistics.median(ratios) if ratios else None, len(ratios)
 
 
 def agreement(results: Sequence[Result], arm: str, reference: str) -> tuple[int, int]:
@@ -812,15 +822,15 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def tables(results: Sequence[Result], arms: Sequence[str], chunk: int = 512) -> str:
+def tables(results: Sequence[Result], arms: Sequence[str]) -> str:
     lines = [
         "| arm | valid | valid, lenient | cut at max_tokens | invalid, not cut | mean tokens | TTFT p50 ms "
-        "| decode tok/s | end-to-end tok/s | tokens/step | accepted length | forced draft tokens (share) "
-        "| same answer as |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| decode tok/s | end-to-end tok/s | ms/step | tokens/step | accepted length "
+        "| forced draft tokens (share) | same answer as |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in arms:
-        s = arm_summary(results, arm, chunk)
+        s = arm_summary(results, arm)
         n = s["requests"] - s["failed"]
         ref = REFERENCE.get(arm)
         same = ""
@@ -832,26 +842,44 @@ def tables(results: Sequence[Result], arms: Sequence[str], chunk: int = 512) -> 
         lines.append(
             f"| {arm} | {s['valid']}/{n}{failed} | {s['lenient']}/{n} | {s['cut']} | {s['invalid_not_cut']} "
             f"| {_f(s['mean_output_tokens'])} | {_f(s['ttft_p50_ms'], '{:.0f}')} | {_f(s['decode_tps'])} "
-            f"| {_f(s['e2e_tps'])} | {_f(s['tokens_per_step'], '{:.2f}')} "
+            f"| {_f(s['e2e_tps'])} | {_f(s['step_ms'], '{:.2f}')} | {_f(s['tokens_per_step'], '{:.2f}')} "
             f"| {_f(s['mean_acceptance_length'], '{:.2f}')} | {forced} | {same} |"
         )
     lines += [
         "",
-        "Ratios, paired by prompt (geometric mean of per-request ratios; n pairs): decode tok/s, "
-        "and end to end; per source decode.",
+        "Ratios of tokens/s, paired by prompt: geometric mean of the per-request ratios (their "
+        "median; n pairs), decode and end to end; per source, decode.",
         "",
-        "| ratio | goal | decode | end to end | own | BFCL simple | BFCL multiple |",
+        "| ratio | goal | decode (median) | end to end (median) | own | BFCL simple | BFCL multiple |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, a, b, goal in RATIOS:
         if a not in arms or b not in arms:
             continue
-        decode, n = paired_ratio(results, a, b, "decode_tps")
-        e2e, _ = paired_ratio(results, a, b, "e2e_tps")
+        decode, decode_med, n = paired_ratio(results, a, b, "decode_tps")
+        e2e, e2e_med, _ = paired_ratio(results, a, b, "e2e_tps")
         per_source = [paired_ratio(results, a, b, "decode_tps", src)[0] for src in SOURCES]
         goal_text = f">= {goal:.2f}" if goal else ""
         lines.append(
-            f"| {label} | {goal_text} | {_f(decode, '{:.2f}')} (n={n}) | {_f(e2e, '{:.2f}')} | "
+            f"| {label} | {goal_text} | {_f(decode, '{:.2f}')} ({_f(decode_med, '{:.2f}')}; n={n}) "
+            f"| {_f(e2e, '{:.2f}')} ({_f(e2e_med, '{:.2f}')}) | "
+            + " | ".join(_f(x, "{:.2f}") for x in per_source)
+            + " |"
+        )
+    steps = [(label, a, b) for label, a, b in STEP_RATIOS if a in arms and b in arms]
+    if steps:
+        lines += [
+            "",
+            "Time of a decode step, paired by prompt (geometric mean of per-request ratios, median):",
+            "",
+            "| ratio | all (median) | own | BFCL simple | BFCL multiple |",
+            "|---|---|---|---|---|",
+        ]
+    for label, a, b in steps:
+        mean, median, n = paired_ratio(results, a, b, "step_ms")
+        per_source = [paired_ratio(results, a, b, "step_ms", src)[0] for src in SOURCES]
+        lines.append(
+            f"| {label} | {_f(mean, '{:.2f}')} ({_f(median, '{:.2f}')}; n={n}) | "
             + " | ".join(_f(x, "{:.2f}") for x in per_source)
             + " |"
         )
@@ -951,7 +979,6 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(client, started, arms, w.cases, args.max_tokens, args.reps, run_id, log)
         measured = time.monotonic() - t_measure
     load_after = os.getloadavg()
-    chunk = started[SPECGATE].max_num_batched_tokens if SPECGATE in started else 512
     names = [a.name for a in arms]
 
     by_source = Counter(c.source for c in w.cases)
@@ -974,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama.cpp's converter failed (it then allows any JSON) on: "
             + (", ".join(llama_fallbacks) or "none")
         )
-    body = tables(results, names, chunk)
+    body = tables(results, names)
     bad = failures(results, names)
     text = "\n".join(
         [
@@ -996,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
         "dropped": dict(w.dropped),
         "skipped": w.skipped,
         "llama_fallbacks": llama_fallbacks,
-        "summary": [arm_summary(results, a, chunk) for a in names],
+        "summary": [arm_summary(results, a) for a in names],
         "results": [asdict(r) for r in results],
         "cases": [asdict(c) for c in w.cases],
     }

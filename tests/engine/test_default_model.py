@@ -70,3 +70,47 @@ def test_without_the_kernels_the_default_model_is_served_dequantized(
     engine = Engine(EngineConfig(convert_cache_dir=str(tmp_path / "models")))
     assert engine.runner.native is None and engine.config.dtype == "bfloat16" and engine.runner.compact
     assert "Berlin" in _answer(engine, "What is the capital of Germany?")
+
+
+def test_default_model_follows_a_json_schema_exactly_with_every_proposer(tmp_path: Path) -> None:
+    """fp32: constrained greedy output is token-identical with and without speculation (n-gram,
+    suffix, the shipped EAGLE head, chains and a tree), parses, and matches the schema."""
+    import json
+
+    from specgate.engine.grammar import Grammar
+
+    engine = Engine(EngineConfig(convert_cache_dir=str(tmp_path / "models"), dtype="float32"))
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "population_millions": {"type": "number"},
+            "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        },
+        "required": ["city", "country", "population_millions", "landmarks"],
+        "additionalProperties": False,
+    }
+    question = "Describe Paris as JSON with its city, country, population in millions and landmarks."
+    ids = render_chat(engine.tokenizer, [{"role": "user", "content": question}])
+    params = SamplingParams(max_tokens=96, temperature=0.0, grammar=Grammar.json_schema(schema))
+    specs = {
+        "plain": None,
+        "ngram": SpecParams("ngram", controller="static", num_speculative_tokens=4),
+        "suffix": SpecParams("suffix", controller="static", num_speculative_tokens=4, max_tree_nodes=6),
+        "eagle": SpecParams("eagle", controller="static", num_speculative_tokens=3),
+    }
+    for name, spec in specs.items():
+        engine.add_request(name, ids, params, spec)
+    outs: dict[str, list[int]] = {name: [] for name in specs}
+    last = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+            last[out.request_id] = out
+    for name in specs:
+        assert outs[name] == outs["plain"], name
+    assert last["plain"].finish_reason == "stop"
+    doc = json.loads(engine.tokenizer.decode(outs["plain"], skip_special_tokens=True))
+    assert set(doc) == set(schema["properties"]) and isinstance(doc["landmarks"], list)
+    assert last["plain"].stats.num_forced_draft_tokens > 0
