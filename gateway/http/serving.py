@@ -48,7 +48,8 @@ async def handle(
             request_id=ctx.request_id,
             kind=kind,
             model=parsed.model,
-            body=parsed.model_dump(exclude_unset=True),
+            # by_alias: structured_outputs.json is `json_` in Python, `json` on the wire, as sent.
+            body=parsed.model_dump(exclude_unset=True, by_alias=True),
             request=parsed,
             created=int(time.time()),
             spec=decision.spec,

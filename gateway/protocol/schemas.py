@@ -129,9 +129,10 @@ Choices = Annotated[
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object,
-    structural_tag; the rest tune the JSON grammar."""
+    structural_tag; the rest tune the JSON grammar. Other keys are kept for external backends (a
+    newer vLLM's); the embedded engine refuses them."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
     json_: Schema | None = Field(None, alias="json")
     regex: Grammar | None = None
     choice: Choices | None = None

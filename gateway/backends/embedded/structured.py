@@ -181,6 +181,14 @@ def _struct_tag(value: Mapping[str, Any] | str) -> Grammar:
 
 
 def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
+    unknown = sorted(so.model_extra or {})
+    if unknown:
+        raise GatewayError(
+            400,
+            f"{param} keys not supported by the embedded engine: {', '.join(unknown)[:200]}",
+            code="unsupported_parameter",
+            param=f"{param}.{unknown[0][:64]}",
+        )
     chosen = [
         name
         for name in ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -491,3 +491,16 @@ def test_a_cycle_a_value_can_avoid_is_accepted(schema: dict[str, Any]) -> None:
     grammar, _ = requested_grammar(completion(guided_json=schema))
     assert grammar is not None
     checked(grammar, "guided_json")
+
+
+def test_structured_outputs_keys_the_engine_does_not_know_are_400s() -> None:
+    """They reach external backends as sent; the embedded engine names the first one it refuses."""
+    error = refused_early(completion(structured_outputs={"regex": "a+", "newer_vllm_key": 1}))
+    assert error.param == "structured_outputs.newer_vllm_key" and error.code == "unsupported_parameter"
+
+
+def refused_early(req: ChatCompletionRequest | CompletionRequest) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        requested_grammar(req)
+    assert info.value.status == 400
+    return info.value

@@ -195,6 +195,9 @@ VENDOR = {
     "repetition_penalty": 1.05,
     "chat_template_kwargs": {"enable_thinking": False},
     "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    # Structured outputs reach an external backend as sent: keys specgate does not know included.
+    "structured_outputs": {"json": {"type": "object"}, "disable_fallback": True, "newer_vllm_key": [1]},
+    "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}},
     "vendor_blob": {"nested": [1, {"x": None}, "y"]},
     "priority": -3,
 }
