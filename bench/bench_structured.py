@@ -25,11 +25,13 @@ with `--peer llama-cpp`, `llama-json` (llama-cpp-python's server, the same schem
 whole run (an idle one takes no CPU) so that each prompt goes through every arm back to back, in an
 order rotated per prompt: machine noise hits all arms alike. Streaming over HTTP (httpx); TTFT is
 the first content chunk; decode tokens/s is (tokens - 1) / (end - first chunk), end to end is tokens
-/ (end - send). Every specgate arm starts with a prefix cache of its own (`cache_salt`), and
-llama.cpp's own prompt reuse is defeated by a one-token request before each of its requests, so
-both prefill every prompt in full. The suffix proposer shares no cache of earlier outputs
-(`embedded.draft_cache_scope = off`): every arm sees the same greedy outputs, which would otherwise
-be drafted from the arm before.
+/ (end - send); ms/step and tokens/step count specgate's decode steps (its steps less its prefill
+chunks); accepted length is speculation's tokens per verification step (forced tokens included);
+ratios between arms are paired by prompt. Every specgate arm has a prefix cache of its own per
+repetition (`cache_salt`), so no prompt finds another arm's blocks, and llama.cpp's own prompt reuse
+is defeated by a one-token request before each of its requests. The suffix proposer shares no cache
+of earlier outputs (`embedded.draft_cache_scope = off`): every arm gives the same greedy answers,
+which it would otherwise draft from the arm before.
 
 Validity: the answer parses as JSON and validates against the schema (jsonschema_rs, formats
 checked); `lenient` also accepts JSON inside a code fence or prose. Constrained arms should reach
@@ -777,9 +779,10 @@ def arm_summary(results: Sequence[Result], arm: str) -> dict[str, Any]:
         "mean_output_tokens": out_tokens / len(ok) if ok else None,
         "ttft_p50_ms": statistics.median(ttft) if ttft else None,
         "decode_tps": _mean(decode),
+        "decode_tps_p50": statistics.median(decode) if decode else None,
         "e2e_tps": _mean(e2e),
         "tokens_per_step": emitted / decode_n if decode_n else None,
-        "step_ms": _mean(step_ms),
+        "step_ms_p50": statistics.median(step_ms) if step_ms else None,
         "mean_acceptance_length": (accepted + drafts) / drafts if drafts else None,
         "forced_tokens": sum(r.forced for r in ok),
         "forced_share": sum(r.forced for r in ok) / out_tokens if out_tokens else None,
@@ -825,7 +828,7 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
 def tables(results: Sequence[Result], arms: Sequence[str]) -> str:
     lines = [
         "| arm | valid | valid, lenient | cut at max_tokens | invalid, not cut | mean tokens | TTFT p50 ms "
-        "| decode tok/s | end-to-end tok/s | ms/step | tokens/step | accepted length "
+        "| decode tok/s, mean (p50) | end-to-end tok/s | ms/step p50 | tokens/step | accepted length "
         "| forced draft tokens (share) | same answer as |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -841,8 +844,9 @@ def tables(results: Sequence[Result], arms: Sequence[str]) -> str:
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
         lines.append(
             f"| {arm} | {s['valid']}/{n}{failed} | {s['lenient']}/{n} | {s['cut']} | {s['invalid_not_cut']} "
-            f"| {_f(s['mean_output_tokens'])} | {_f(s['ttft_p50_ms'], '{:.0f}')} | {_f(s['decode_tps'])} "
-            f"| {_f(s['e2e_tps'])} | {_f(s['step_ms'], '{:.2f}')} | {_f(s['tokens_per_step'], '{:.2f}')} "
+            f"| {_f(s['mean_output_tokens'])} | {_f(s['ttft_p50_ms'], '{:.0f}')} "
+            f"| {_f(s['decode_tps'])} ({_f(s['decode_tps_p50'])}) "
+            f"| {_f(s['e2e_tps'])} | {_f(s['step_ms_p50'], '{:.2f}')} | {_f(s['tokens_per_step'], '{:.2f}')} "
             f"| {_f(s['mean_acceptance_length'], '{:.2f}')} | {forced} | {same} |"
         )
     lines += [

@@ -73,21 +73,20 @@ class Drafter:
         scheduled_tokens = sum(s.num_tokens for s in batch)
         emitting = sum(s.samples for s in batch)
         context = mean_context((s.seq.num_computed_tokens, s.num_tokens) for s in batch)
-        drafted = self._proposals(batch, speculating, caps, scheduled_tokens, emitting, context)
-        budget = (
-            self.max_num_batched_tokens - scheduled_tokens - sum(len(p.token_ids) for p in drafted.values())
-        )
+        forced = self._forced(batch, constrained, caps, self.max_num_batched_tokens - scheduled_tokens)
+        drafted, past = self._proposals(batch, speculating, caps, forced, scheduled_tokens, emitting, context)
         for i in constrained:
             seq = batch[i].seq
+            if seq.is_finished:
+                continue
             try:
-                prop = self._grammar_draft(seq, drafted.pop(i, None), caps[i], budget)
+                prop = self._grammar_draft(seq, drafted.pop(i, None), forced.get(i, []), i in past, caps[i])
             except Exception as exc:
                 logger.exception("request %s failed while its grammar drafted", seq.request_id)
                 self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
                 continue
             if prop is not None:
                 drafted[i] = prop
-                budget -= prop.num_forced
         chosen = self._grow_trees(batch, drafted, rooms, scheduled_tokens, emitting, context)
         for i, prop in chosen.items():
             seq = batch[i].seq
@@ -99,18 +98,43 @@ class Drafter:
                     break
         return drafts
 
+    def _forced(
+        self, batch: list[ScheduledSequence], constrained: list[int], caps: dict[int, int], budget: int
+    ) -> dict[int, list[int]]:
+        """Per constrained sequence, the tokens its grammar forces next (up to MAX_FORCED_DRAFT and
+        what the step's token budget leaves)."""
+        out: dict[int, list[int]] = {}
+        if not self.forced_drafts:
+            return out
+        for i in constrained:
+            seq = batch[i].seq
+            assert seq.constraint is not None
+            try:
+                out[i] = seq.constraint.forced(min(caps[i], MAX_FORCED_DRAFT, max(0, budget)))
+            except Exception as exc:
+                logger.exception("request %s failed while its grammar drafted", seq.request_id)
+                self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
+                continue
+            budget -= len(out[i])
+        return out
+
     def _proposals(
         self,
         batch: list[ScheduledSequence],
         speculating: list[int],
         caps: dict[int, int],
+        forced: dict[int, list[int]],
         scheduled_tokens: int,
         emitting: int,
         context: float,
-    ) -> dict[int, Proposal]:
-        """The proposers' checked drafts for the speculating sequences, k chosen by their controllers."""
+    ) -> tuple[dict[int, Proposal], set[int]]:
+        """The proposers' checked drafts for the speculating sequences, k chosen by their controllers,
+        and which of them were drafted past their grammar's forced tokens (a lookup proposer reads
+        them as context: `drafts_past_extra`)."""
+        past: set[int] = set()
+        speculating = [i for i in speculating if not batch[i].seq.is_finished]
         if not speculating:
-            return {}
+            return {}, past
         candidates = []
         for i in speculating:
             seq = batch[i].seq
@@ -131,11 +155,19 @@ class Drafter:
                 c.state.relax()
             else:
                 seq = batch[i].seq
+                extra = (
+                    forced.get(i, []) if getattr(self.proposer(c.method), "drafts_past_extra", False) else []
+                )
+                k = min(k, caps[i] - len(extra))
+                if k <= 0:
+                    continue
+                if extra:
+                    past.add(i)
                 # Deterministic mode keeps fixed attention tiles per sequence: chains only.
                 nodes = 0 if self.deterministic else c.state.params.max_tree_nodes
                 row = sampling_row(seq, [], self.eos_token_ids)
                 req = ProposalRequest(
-                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes, seq.constraint
+                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes, seq.constraint, extra
                 )
                 by_method.setdefault(c.method, []).append((i, req))
         drafted: dict[int, Proposal] = {}
@@ -154,38 +186,37 @@ class Drafter:
                     drafted[i] = checked
             steps = max(r.k for _, r in reqs) if proposer.autoregressive else 1
             self.cost_model.observe_draft(method, steps, time.perf_counter() - t0)
-        return drafted
+        return drafted, past
 
-    def _grammar_draft(self, seq: Sequence, prop: Proposal | None, cap: int, budget: int) -> Proposal | None:
-        """A constrained sequence's draft: the proposer's cut to what the grammar accepts, led by the
-        tokens the grammar forces. Forced tokens are point masses; a proposer's tokens past them
-        are kept only where its first path drafted exactly those tokens, so each kept token was drawn
-        from the law its row reports given the tokens before it."""
+    def _grammar_draft(
+        self, seq: Sequence, prop: Proposal | None, forced: list[int], past: bool, cap: int
+    ) -> Proposal | None:
+        """A constrained sequence's draft: led by the tokens its grammar forces (point masses), then
+        the proposer's, cut to what the grammar accepts. A proposer that drafted past the forced
+        tokens (`past`) continues them; otherwise its tokens past them are kept only where its first
+        path drafted exactly those tokens. Either way each kept token was drawn from the law its row
+        reports given the tokens before it."""
         constraint = seq.constraint
         assert constraint is not None
-        if prop is not None:
-            if prop.parents is None:
-                keep = list(range(constraint.valid_prefix(prop.token_ids)))
-            else:
-                keep = constraint.valid_nodes(prop.token_ids, prop.parents)
-            if len(keep) < len(prop.token_ids):
-                prop = tree_proposal.cut(prop, keep) if keep else None
-        limit = min(cap, MAX_FORCED_DRAFT, max(0, budget)) if self.forced_drafts else 0
-        forced = constraint.forced(limit)
-        if not forced:
-            return prop
         m = len(forced)
-        if prop is not None:
+        if prop is not None and m and past:
+            prop = _after(forced, prop)
+        elif prop is not None and m:
             chain = tree_proposal.first_path(prop)
-            rest = chain.token_ids[m:cap] if chain.token_ids[:m] == forced else []
-            if rest:
-                probs = None
-                if chain.probs is not None:
-                    point = torch.zeros(m, chain.probs.shape[1], dtype=chain.probs.dtype)  # [m, vocab]
-                    point[torch.arange(m), torch.tensor(forced)] = 1.0
-                    probs = torch.cat([point, chain.probs[m : m + len(rest)]])
-                return Proposal([*forced, *rest], probs, num_forced=m)
-        return Proposal(forced, num_forced=m)
+            if chain.token_ids[:m] == forced and len(chain.token_ids) > m:
+                prop = tree_proposal.cut(chain, list(range(min(len(chain.token_ids), cap))))
+                prop = _with_forced(prop, m)
+            else:
+                prop = None
+        if prop is None:
+            return Proposal(forced, num_forced=m) if m else None
+        if prop.parents is None:
+            keep = list(range(constraint.valid_prefix(prop.token_ids)))
+        else:
+            keep = constraint.valid_nodes(prop.token_ids, prop.parents)
+        if len(keep) < len(prop.token_ids):
+            prop = tree_proposal.cut(prop, keep) if keep else None
+        return prop
 
     def _grow_trees(
         self,
@@ -243,6 +274,35 @@ class Drafter:
                 self.fail(batch[i].seq, f"drafting with {method} failed ({type(exc).__name__})")
                 out.append(Proposal([]))
         return out
+
+
+def _point_masses(tokens: list[int], vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    point = torch.zeros(len(tokens), vocab, dtype=dtype)  # [len(tokens), vocab]
+    point[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return point
+
+
+def _with_forced(prop: Proposal, m: int) -> Proposal:
+    """A chain whose first m tokens are the forced ones: their rows become point masses."""
+    probs = prop.probs
+    if probs is not None:
+        probs = torch.cat([_point_masses(prop.token_ids[:m], probs.shape[1], probs.dtype), probs[m:]])
+    return Proposal(prop.token_ids, probs, num_forced=m)
+
+
+def _after(forced: list[int], prop: Proposal) -> Proposal:
+    """One draft of the forced tokens (a chain of point masses) with `prop`, drafted after them,
+    hanging from the last one."""
+    m = len(forced)
+    probs = prop.probs
+    if probs is not None:
+        probs = torch.cat([_point_masses(forced, probs.shape[1], probs.dtype), probs])
+    tokens = [*forced, *prop.token_ids]
+    if prop.parents is None:
+        return Proposal(tokens, probs, num_forced=m)
+    parents = [*draft_tree.chain_parents(m), *(p + m if p >= 0 else m - 1 for p in prop.parents)]
+    scores = [1.0] * m + list(prop.scores) if prop.scores is not None else None
+    return Proposal(tokens, probs, parents, scores, m)
 
 
 def mean_context(chunks: Iterable[tuple[int, int]]) -> float:

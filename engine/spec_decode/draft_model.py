@@ -43,6 +43,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class DraftModelProposer:
     autoregressive = True
     needs_hidden = False
+    drafts_past_extra = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options

@@ -45,6 +45,7 @@ class _State:
 class EagleProposer:
     autoregressive = True
     needs_hidden = True
+    drafts_past_extra = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         runner = ctx.runner

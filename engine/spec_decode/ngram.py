@@ -90,6 +90,7 @@ def ngram_tree(
 class NgramProposer:
     autoregressive = False
     needs_hidden = False
+    drafts_past_extra = True
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.min_n = int(ctx.options.get("min_n", 2))
@@ -103,7 +104,7 @@ class NgramProposer:
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         out = []
         for r in requests:
-            tokens = np.asarray(r.token_ids, dtype=np.int64)
+            tokens = np.asarray([*r.token_ids, *r.extra] if r.extra else r.token_ids, dtype=np.int64)
             if r.max_nodes > r.k:
                 draft, parents, scores = ngram_tree(tokens, r.k, r.max_nodes, self.min_n, self.max_n)
                 out.append(Proposal(draft, None, parents, scores))

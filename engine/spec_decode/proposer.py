@@ -29,6 +29,9 @@ class ProposalRequest:
     # The request's grammar state: a proposer that samples drafts from a distribution draws them
     # under its mask (draft_row), so q is the law the token came from. None: unconstrained.
     constraint: Constraint | None = None
+    # Tokens the engine verifies ahead of this draft (a grammar's forced tokens): a proposer whose
+    # `drafts_past_extra` is true drafts after token_ids + extra; others draft after token_ids.
+    extra: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -69,6 +72,9 @@ class Proposer(Protocol):
     # True when the proposer drafts from the target's hidden states (EAGLE): the engine then returns
     # them from the target pass and hands over those of verified positions via `observe_hidden`.
     needs_hidden: bool
+    # True when the proposer can draft after `ProposalRequest.extra` (tokens not yet committed, which
+    # it must not learn from): a lookup in the context. Model proposers have no state for them.
+    drafts_past_extra: bool
 
     def start(self, request_id: str, token_ids: Sequence[int], scope: str | None = "") -> None:
         """A request that will use this proposer was admitted with these prompt tokens. State kept

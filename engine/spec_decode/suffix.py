@@ -49,6 +49,7 @@ class _Shared:
 class SuffixProposer:
     autoregressive = False
     needs_hidden = False
+    drafts_past_extra = True
 
     def __init__(self, ctx: ProposerContext) -> None:
         opts = ctx.options
@@ -144,7 +145,8 @@ class SuffixProposer:
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         out: list[Proposal] = []
         for r in requests:
-            context = r.token_ids[-self.max_depth :]
+            # The forced tokens ahead of this draft are context to look up, never committed here.
+            context = [*r.token_ids[-self.max_depth :], *r.extra][-self.max_depth :]
             local = self._local.get(r.request_id)
             best = _Candidate([], 0.0)
             scope: str | None = ""  # a request never started here (direct use) reads the default scope

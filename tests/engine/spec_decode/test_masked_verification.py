@@ -345,7 +345,8 @@ def speculative_step(seq: Sequence, proposer: str, bugs: Bugs) -> list[int]:
     base = sampling_row(seq, [], NO_EOS)
     nodes = sum(TREE_SHAPE.values()) if proposer.endswith("tree") else 0
     req = ProposalRequest("r", list(seq.token_ids), seq.num_prompt_tokens, K, base, nodes, constraint)
-    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), cap=16, budget=1024)
+    forced = constraint.forced(16)
+    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), forced, past=False, cap=16)
     if draft is None:  # nothing to verify: a plain decode
         draft = Proposal([])
     rows_of = histories(draft)
