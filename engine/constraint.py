@@ -24,6 +24,9 @@ from collections.abc import Sequence
 import torch
 from llguidance import LLMatcher
 
+# Masks allowing at most this many tokens have each one checked against the matcher (microseconds).
+FEW = 8
+
 
 class ConstraintError(RuntimeError):
     """The grammar's matcher failed (a resource limit, an internal error): the request ends."""
@@ -79,6 +82,13 @@ class Constraint:
         mask = torch.frombuffer(raw, dtype=torch.uint8)[: self.vocab_size] != 0  # [<= vocab_size]
         if mask.shape[0] < self.vocab_size:  # tokens past the grammar's vocabulary: never allowed
             mask = torch.cat([mask, mask.new_zeros(self.vocab_size - mask.shape[0])])
+        allowed = mask.nonzero().flatten()
+        if len(allowed) <= FEW:
+            # Where the grammar forces its next bytes, llguidance can allow a token (a tokenizer's
+            # added token spelling those bytes) that consuming it then refuses: check the few.
+            for t in allowed.tolist():
+                if t not in self._eos and self._matcher.validate_tokens([t]) != 1:
+                    mask[t] = False
         if not bool(mask.any()):
             raise ConstraintError("the grammar allows no token here: its output cannot be completed")
         return mask
@@ -122,7 +132,8 @@ class Constraint:
             if int(t) in self._eos:  # the end is the engine's to decide (`stopped`), never drafted
                 break
             out.append(int(t))
-        return out
+        # Forced tokens are tokenized from the forced bytes; keep those the matcher accepts.
+        return out[: self._matcher.validate_tokens(out)] if out else out
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit emitted tokens. Raises ConstraintError for a token the grammar refuses (only a bug

@@ -45,7 +45,7 @@ def text_of(ids: list[int]) -> str:
 
 def test_masks_forced_tokens_and_draft_checks_follow_the_grammar() -> None:
     tok = build_tokenizer()
-    c = Constraint(compiler().matcher(Grammar.json_schema(SCHEMA)), VOCAB_SIZE)
+    c = Constraint(compiler().matcher(Grammar.json_schema(SCHEMA)), VOCAB_SIZE, [VOCAB_SIZE - 1])
     assert text_of(c.forced(32)) == '{"name": "'  # the separators are fixed, so all of it is forced
     good = tok.encode('{"name": "ab", "kind": "beta", "count": 7, "tags": ["x"]}', add_special_tokens=False)
     assert c.valid_prefix(good) == len(good)

@@ -6,7 +6,7 @@ gets a 400 and never a half-started stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from specgate.gateway.backends.embedded.structured import checked, requested_gra
 from specgate.gateway.backends.embedded.tools import (
     MAX_PARAMETERS_DEPTH,
     forced_tool,
+    tag_markers,
     template_supports_tools,
     tool_call_lark,
     tool_tags_lark,
@@ -101,6 +102,8 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         if value is not None:
             raise _refuse(f"{name} is not supported by the embedded engine", name)
     grammar, grammar_param = requested_grammar(req)
+    if grammar is not None:
+        grammar = checked(grammar, grammar_param)
     for name in ("ignore_eos", "min_tokens"):
         if grammar is not None and getattr(req, name):  # forced tool calls: checked in _tool_grammar
             raise GatewayError(
@@ -124,8 +127,8 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         elif grammar is None and tools:
             # tool_choice "auto": prose stays free, a tool call the model opens must be a valid one.
             native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
-            functions = [t["function"] for t in req.tools or ()]
-            grammar = _lark(tool_tags_lark(functions, native), "tools")
+            functions = _checked_parameters([t["function"] for t in req.tools or ()])
+            grammar = _lark(tool_tags_lark(functions, native, tag_markers(model.tokenizer)), "tools")
             grammar_param = "tools"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rid, echo, param = f"chatcmpl-{call.request_id}", "", "messages"
@@ -160,7 +163,7 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
             logit_bias=bias,
-            grammar=checked(grammar, grammar_param) if grammar is not None else None,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value") from exc
@@ -186,6 +189,7 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
                 code="invalid_value",
                 param="tools",
             )
+    _checked_parameters(functions)
     for name in ("ignore_eos", "min_tokens"):
         if getattr(req, name):
             raise GatewayError(
@@ -195,8 +199,24 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
                 param=name,
             )
     native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
-    lark = tool_call_lark(functions, parallel=req.parallel_tool_calls is not False, native=native)
+    parallel = req.parallel_tool_calls is not False
+    lark = tool_call_lark(functions, parallel, native, tag_markers(model.tokenizer))
     return _lark(lark, "tools")
+
+
+def _checked_parameters(functions: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The functions, once each one's parameter schema is one the grammar library enforces whole (a
+    400 naming `tools` otherwise). The tool-call grammar around them is written here, so it is
+    checked where it is compiled, against the model's tokenizer (it may name the tags' tokens)."""
+    for fn in functions:
+        params = fn.get("parameters")
+        if params is not None:
+            try:
+                grammar = Grammar.json_schema(params)
+            except ValueError as exc:
+                raise GatewayError(400, f"tools: {exc}", code="invalid_value", param="tools") from None
+            checked(grammar, "tools")
+    return functions
 
 
 def _lark(text: str, param: str) -> Grammar:

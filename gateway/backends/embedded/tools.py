@@ -45,10 +45,37 @@ def _arguments_schema(fn: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def tool_tags_lark(functions: Sequence[Mapping[str, Any]], native: bool) -> str:
+def tag_markers(tokenizer: Any) -> tuple[str, str]:
+    """How a grammar writes `<tool_call>` and `</tool_call>` for this tokenizer: by token id where
+    the tokenizer holds the tag as one token (Qwen's added tokens, which the grammar library reads
+    as special tokens, not as their text), as a string literal otherwise."""
+    out = []
+    for tag in (OPEN, CLOSE):
+        ids = tokenizer.encode(tag, add_special_tokens=False) if tokenizer is not None else []
+        out.append(f"<[{int(ids[0])}]>" if len(ids) == 1 else json.dumps(tag))
+    return out[0], out[1]
+
+
+def _call_rule(name: str, fn: Mapping[str, Any], markers: tuple[str, str], native: bool) -> str:
+    """One function's call in the model's format, its arguments following the parameters."""
+    # Templates that render tools themselves (Qwen's) put each call on its own lines; the system
+    # prompt written here shows it inline.
+    nl = "\n" if native else ""
+    head = json.dumps(f'{nl}{{"name": {json.dumps(fn["name"])}, "arguments": ')
+    tail = json.dumps(f"}}{nl}")
+    schema = json.dumps(_arguments_schema(fn))
+    return f"{name}: {markers[0]} {head} {name}_args {tail} {markers[1]}\n{name}_args: %json {schema}"
+
+
+def tool_tags_lark(functions: Sequence[Mapping[str, Any]], native: bool, markers: tuple[str, str]) -> str:
     """A Lark grammar for tool_choice "auto": free text, in which every `<tool_call>` the model opens
-    must be a call of one of the functions with arguments that follow its parameters (llguidance's
-    lazy triggers), so a tool call is valid by construction and prose is untouched."""
+    must be a call of one of the functions with arguments that follow its parameters, so a tool call
+    is valid by construction and prose is untouched. Where the tag is one token, text runs until
+    that token; otherwise the text tag is a lazy trigger (llguidance's StructTag)."""
+    if markers[0].startswith("<["):
+        rules = [_call_rule(f"tag_{i}", fn, markers, native) for i, fn in enumerate(functions)]
+        options = " | ".join(f"TAG_TEXT tag_{i}" for i in range(len(functions)))
+        return "\n".join(["%llguidance {}", f"start: ({options})* TAG_TEXT", "TAG_TEXT: /(.|\\n)*/", *rules])
     from llguidance import StructTag
 
     nl = "\n" if native else ""
@@ -64,19 +91,16 @@ def tool_tags_lark(functions: Sequence[Mapping[str, Any]], native: bool) -> str:
     return str(StructTag.to_grammar(tags, assume_special=False))
 
 
-def tool_call_lark(functions: Sequence[Mapping[str, Any]], parallel: bool, native: bool) -> str:
+def tool_call_lark(
+    functions: Sequence[Mapping[str, Any]],
+    parallel: bool,
+    native: bool,
+    markers: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"'),
+) -> str:
     """A Lark grammar (llguidance's dialect) of the answer a forced tool_choice allows: one call, or
     one or more with parallel_tool_calls, each in the model's own tool-call format with its arguments
     following the function's parameter schema."""
-    # Templates that render tools themselves (Qwen's) put each call on its own lines; the system
-    # prompt written here shows it inline.
-    nl = "\n" if native else ""
-    rules = []
-    for i, fn in enumerate(functions):
-        params = _arguments_schema(fn)
-        head = json.dumps(f'{OPEN}{nl}{{"name": {json.dumps(fn["name"])}, "arguments": ')
-        tail = json.dumps(f"}}{nl}{CLOSE}")
-        rules.append(f"call_{i}: {head} args_{i} {tail}\nargs_{i}: %json {json.dumps(params)}")
+    rules = [_call_rule(f"call_{i}", fn, markers, native) for i, fn in enumerate(functions)]
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
     top = 'start: call ("\\n" call)*' if parallel else "start: call"
     return "\n".join([top, f"call: {calls}", *rules])
@@ -119,13 +143,16 @@ class ToolCallParser:
     """Splits streamed text into plain content and tool calls.
 
     Text that may be the start of `<tool_call>` is held back until it is known not to be; text
-    inside a block is kept until the block closes. `finish()` parses the blocks.
+    inside a block is kept until the block closes. Whitespace alone between blocks, or before the
+    first or after the last, is the format's, not content: it is held until text follows it.
+    `finish()` parses the blocks.
     """
 
     def __init__(self) -> None:
         self._held = ""
         self._blocks: list[str] = []
         self._inside = False
+        self._text = False  # content shown since the start or the last block
 
     def feed(self, text: str) -> str:
         """Returns the content that can be shown now."""
@@ -142,12 +169,19 @@ class ToolCallParser:
                 continue
             start = self._held.find(OPEN)
             if start >= 0:
-                out.append(self._held[:start])
+                before = self._held[:start]
+                if self._text or before.strip():
+                    out.append(before)
                 self._held = self._held[start + len(OPEN) :]
                 self._inside = True
+                self._text = False
                 continue
             keep = _partial_suffix(self._held, OPEN)
-            out.append(self._held[: len(self._held) - keep])
+            visible = self._held[: len(self._held) - keep]
+            if not self._text and not visible.strip():
+                break  # whitespace alone since the last block: it waits to see what follows it
+            self._text = True
+            out.append(visible)
             self._held = self._held[len(self._held) - keep :]
             break
         return "".join(out)
@@ -155,6 +189,8 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(content still held back, parsed tool calls). An unparseable block stays content."""
         rest = self._held if not self._inside else OPEN + self._held
+        if self._blocks and not rest.strip():
+            rest = ""  # the whitespace after the last block
         calls: list[dict[str, Any]] = []
         bad: list[str] = []
         for block in self._blocks:

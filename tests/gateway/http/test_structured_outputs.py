@@ -395,7 +395,10 @@ def test_tool_choice_refusals(client: openai.OpenAI, model_name: str) -> None:
         }
     ]
     body = bad_request(lambda: chat(tools=unenforceable, tool_choice="required"))
-    assert body["param"] == "tool_choice" and body["code"] == "invalid_grammar"
+    assert body["param"] == "tools" and body["code"] == "invalid_grammar"
+    # With tool_choice auto too: the calls a model opens follow the tools' schemas.
+    body = bad_request(lambda: chat(tools=unenforceable))
+    assert body["param"] == "tools" and body["code"] == "invalid_grammar"
 
 
 # ---- hostile requests ---------------------------------------------------------------------------

@@ -504,3 +504,19 @@ def refused_early(req: ChatCompletionRequest | CompletionRequest) -> GatewayErro
         requested_grammar(req)
     assert info.value.status == 400
     return info.value
+
+
+def test_tool_tags_one_token_each_are_named_by_id() -> None:
+    """Qwen's tokenizer holds `<tool_call>` as one added token, which llguidance reads as a special
+    token, not as its text: the grammars name it by id there, and by its text elsewhere."""
+    from specgate.gateway.backends.embedded.tools import tag_markers, tool_tags_lark
+
+    class OneToken:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return {"<tool_call>": [7], "</tool_call>": [8]}.get(text, [1, 2])
+
+    assert tag_markers(OneToken()) == ("<[7]>", "<[8]>")
+    assert tag_markers(build_tokenizer()) == ('"<tool_call>"', '"</tool_call>"')
+    functions = [{"name": "f", "parameters": {"type": "object"}}]
+    assert "<[7]>" in tool_call_lark(functions, True, True, ("<[7]>", "<[8]>"))
+    assert tool_tags_lark(functions, True, ("<[7]>", "<[8]>")).count("<[8]>") == 1

@@ -81,3 +81,23 @@ def test_template_without_tools_gets_a_system_prompt_and_text_calls() -> None:
     )
     none, _ = normalize_messages(_Tok(), messages, TOOLS, "none")
     assert none[0]["content"] == "be nice"
+
+
+def test_whitespace_around_tool_calls_is_not_content() -> None:
+    """Parallel calls come one a line: the newlines between them (streamed apart from the blocks)
+    are the format's, while text before a call keeps its spaces."""
+    from specgate.gateway.backends.embedded.tools import ToolCallParser
+
+    parser = ToolCallParser()
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    shown = "".join(parser.feed(piece) for piece in ["\n", call, "\n", "\n", call, "\n"])
+    rest, calls = parser.finish()
+    assert shown + rest == "" and len(calls) == 2
+    parser = ToolCallParser()
+    shown = "".join(parser.feed(piece) for piece in ["Let me check. ", call, " Done."])
+    rest, calls = parser.finish()
+    assert shown + rest == "Let me check.  Done." and len(calls) == 1
+    parser = ToolCallParser()
+    assert parser.feed("\n\n") == ""  # it may still turn out to precede a call
+    assert parser.feed("plain text \n") == "\n\nplain text \n"
+    assert parser.finish() == ("", [])
