@@ -83,7 +83,12 @@ class Grammar:
         if len(self.source) > MAX_SOURCE_CHARS:
             raise ValueError(f"a grammar may be at most {MAX_SOURCE_CHARS} characters long")
         if self.kind == "json_schema":
-            schema = json.loads(self.source)
+            try:
+                schema = json.loads(self.source)
+            except RecursionError:  # text nested past the parser's stack: far past the limit below
+                raise ValueError(
+                    f"a JSON schema may be nested at most {MAX_SCHEMA_DEPTH} levels deep"
+                ) from None
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
             if schema_depth(schema) > MAX_SCHEMA_DEPTH:

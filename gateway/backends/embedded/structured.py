@@ -27,13 +27,21 @@ def _invalid(message: str, param: str) -> GatewayError:
     return GatewayError(400, message, code="invalid_value", param=param)
 
 
+def _json_text(text: str, param: str) -> Any:
+    """A field's value given as JSON text, parsed; a 400 for text that is not JSON, or that nests too
+    deep for the parser (the body's own nesting limit does not reach inside a string)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"{param} is not valid JSON: {exc}", param) from None
+    except RecursionError:
+        raise _invalid(f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param) from None
+
+
 def _schema(value: Any, param: str) -> Mapping[str, Any]:
     """A JSON schema given as an object, as true / false, or as its JSON text."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _invalid(f"{param} is not valid JSON: {exc}", param) from None
+        value = _json_text(value, param)
     if value is True:
         value = {}  # any JSON value
     if not isinstance(value, dict):
@@ -153,10 +161,7 @@ def _struct_tag(value: Mapping[str, Any] | str) -> Grammar:
 
     param = "structured_outputs.structural_tag"
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _invalid(f"{param} is not valid JSON: {exc}", param) from None
+        value = _json_text(value, param)
     if (
         not isinstance(value, Mapping)
         or not isinstance(value.get("structures"), list)

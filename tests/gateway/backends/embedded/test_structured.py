@@ -520,3 +520,19 @@ def test_tool_tags_one_token_each_are_named_by_id() -> None:
     functions = [{"name": "f", "parameters": {"type": "object"}}]
     assert "<[7]>" in tool_call_lark(functions, True, True, ("<[7]>", "<[8]>"))
     assert tool_tags_lark(functions, True, ("<[7]>", "<[8]>")).count("<[8]>") == 1
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structural_tag"])
+def test_schema_text_nested_past_the_parser_is_a_400(field: str) -> None:
+    """JSON text inside a string escapes the body's nesting limit; parsing it must not be a 500."""
+    deep = "[" * 50_000 + "]" * 50_000
+    fields: dict[str, Any] = (
+        {"guided_json": deep} if field == "guided_json" else {"structured_outputs": {"structural_tag": deep}}
+    )
+    error = refused_early(completion(**fields))
+    assert error.code == "invalid_value" and "nested" in error.message
+
+
+def test_a_grammar_of_schema_text_nested_past_the_parser_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="nested"):
+        Grammar("json_schema", "[" * 50_000 + "]" * 50_000)
