@@ -72,12 +72,10 @@ class Constraint:
 
     def _mask(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar allows next, at the matcher's current state."""
-        if self._matcher.is_error():
-            raise ConstraintError(self._matcher.get_error())
         # One byte per token (0: refused) turns into a bool mask in one pass; unpacking the 32-bit
         # bitmask costs about twice as much on a 150k vocabulary.
         raw = bytearray(self._matcher.compute_logit_bias())
-        if self._matcher.is_error():  # the grammar failed while computing this mask
+        if self._matcher.is_error():  # failed before or while computing this mask
             raise ConstraintError(self._matcher.get_error())
         mask = torch.frombuffer(raw, dtype=torch.uint8)[: self.vocab_size] != 0  # [<= vocab_size]
         if mask.shape[0] < self.vocab_size:  # tokens past the grammar's vocabulary: never allowed

@@ -80,10 +80,9 @@ class Drafter:
             if seq.is_finished:
                 continue
             try:
-                prop = self._grammar_draft(seq, drafted.pop(i, None), forced.get(i, []), i in past, caps[i])
+                prop = self._grammar_draft(seq, drafted.pop(i, None), forced.get(i, []), i in past)
             except Exception as exc:
-                logger.exception("request %s failed while its grammar drafted", seq.request_id)
-                self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
+                self._grammar_failed(seq, exc)
                 continue
             if prop is not None:
                 drafted[i] = prop
@@ -112,11 +111,15 @@ class Drafter:
             try:
                 out[i] = seq.constraint.forced(min(caps[i], MAX_FORCED_DRAFT, max(0, budget)))
             except Exception as exc:
-                logger.exception("request %s failed while its grammar drafted", seq.request_id)
-                self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
+                self._grammar_failed(seq, exc)
                 continue
             budget -= len(out[i])
         return out
+
+    def _grammar_failed(self, seq: Sequence, exc: Exception) -> None:
+        """A grammar that fails while drafting ends its own request; the step goes on."""
+        logger.exception("request %s failed while its grammar drafted", seq.request_id)
+        self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
 
     def _proposals(
         self,
@@ -155,9 +158,7 @@ class Drafter:
                 c.state.relax()
             else:
                 seq = batch[i].seq
-                extra = (
-                    forced.get(i, []) if getattr(self.proposer(c.method), "drafts_past_extra", False) else []
-                )
+                extra = forced.get(i, []) if self.proposer(c.method).drafts_past_extra else []
                 k = min(k, caps[i] - len(extra))
                 if k <= 0:
                     continue
@@ -189,7 +190,7 @@ class Drafter:
         return drafted, past
 
     def _grammar_draft(
-        self, seq: Sequence, prop: Proposal | None, forced: list[int], past: bool, cap: int
+        self, seq: Sequence, prop: Proposal | None, forced: list[int], past: bool
     ) -> Proposal | None:
         """A constrained sequence's draft: led by the tokens its grammar forces (point masses), then
         the proposer's, cut to what the grammar accepts. A proposer that drafted past the forced
@@ -202,12 +203,11 @@ class Drafter:
         if prop is not None and m and past:
             prop = _after(forced, prop)
         elif prop is not None and m:
+            # Checked proposals are at most k <= the sequence's cap deep: no cut is needed here.
             chain = tree_proposal.first_path(prop)
-            if chain.token_ids[:m] == forced and len(chain.token_ids) > m:
-                prop = tree_proposal.cut(chain, list(range(min(len(chain.token_ids), cap))))
-                prop = _with_forced(prop, m)
-            else:
-                prop = None
+            prop = (
+                _with_forced(chain, m) if chain.token_ids[:m] == forced and len(chain.token_ids) > m else None
+            )
         if prop is None:
             return Proposal(forced, num_forced=m) if m else None
         if prop.parents is None:

@@ -10,13 +10,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.grammar import Grammar, schema_depth
+from specgate.engine.grammar import Grammar
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
 from specgate.gateway.backends.embedded.structured import checked, requested_grammar
 from specgate.gateway.backends.embedded.tools import (
-    MAX_PARAMETERS_DEPTH,
     forced_tool,
     tag_markers,
     template_supports_tools,
@@ -104,14 +103,6 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     grammar, grammar_param = requested_grammar(req)
     if grammar is not None:
         grammar = checked(grammar, grammar_param)
-    for name in ("ignore_eos", "min_tokens"):
-        if grammar is not None and getattr(req, name):  # forced tool calls: checked in _tool_grammar
-            raise GatewayError(
-                400,
-                f"{name} cannot be combined with {grammar_param}: the grammar decides where the output ends",
-                code="invalid_value",
-                param=name,
-            )
     if isinstance(req, ChatCompletionRequest):
         prompt_ids, tools = _chat_prompt(req, model)
         forced = _tool_grammar(req, model)
@@ -137,6 +128,14 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
         prompt_ids, echo = _completion_prompt(req, model)
         tools, logprobs = False, req.logprobs
         rid, param = f"cmpl-{call.request_id}", "prompt"
+    for name in ("ignore_eos", "min_tokens"):
+        if grammar is not None and getattr(req, name):
+            raise GatewayError(
+                400,
+                f"{name} cannot be combined with {grammar_param}: the grammar decides where the output ends",
+                code="invalid_value",
+                param=name,
+            )
     vocab = model.vocab_size
     _in_vocab(req.stop_token_ids or (), vocab, "stop_token_ids", "stop_token_ids must be")
     bias = {int(t): v for t, v in (req.logit_bias or {}).items()}
@@ -180,24 +179,7 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
         raise GatewayError(400, str(exc), code="invalid_value", param="tool_choice") from None
     if functions is None:
         return None
-    for fn in functions:
-        params = fn.get("parameters")
-        if params is not None and schema_depth(params) > MAX_PARAMETERS_DEPTH:
-            raise GatewayError(
-                400,
-                f"the parameters of tool {fn['name']!r} nest more than {MAX_PARAMETERS_DEPTH} levels",
-                code="invalid_value",
-                param="tools",
-            )
-    _checked_parameters(functions)
-    for name in ("ignore_eos", "min_tokens"):
-        if getattr(req, name):
-            raise GatewayError(
-                400,
-                f"{name} cannot be combined with a forced tool_choice: the grammar decides where output ends",
-                code="invalid_value",
-                param=name,
-            )
+    _checked_parameters(functions)  # each schema's depth and size too (Grammar's own limits)
     native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
     parallel = req.parallel_tool_calls is not False
     lark = tool_call_lark(functions, parallel, native, tag_markers(model.tokenizer))

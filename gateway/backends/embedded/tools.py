@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# Nesting of a tool's parameter schema (engine/grammar.py refuses deeper ones too).
-MAX_PARAMETERS_DEPTH = 32
 
 
 def forced_tool(

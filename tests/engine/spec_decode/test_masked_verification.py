@@ -346,7 +346,7 @@ def speculative_step(seq: Sequence, proposer: str, bugs: Bugs) -> list[int]:
     nodes = sum(TREE_SHAPE.values()) if proposer.endswith("tree") else 0
     req = ProposalRequest("r", list(seq.token_ids), seq.num_prompt_tokens, K, base, nodes, constraint)
     forced = constraint.forced(16)
-    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), forced, past=False, cap=16)
+    draft = DRAFTER._grammar_draft(seq, propose(req, proposer, bugs), forced, past=False)
     if draft is None:  # nothing to verify: a plain decode
         draft = Proposal([])
     rows_of = histories(draft)

@@ -84,6 +84,7 @@ class OracleTrees:
 
     autoregressive = False
     needs_hidden = False
+    drafts_past_extra = False
 
     def __init__(self, expected: dict[str, list[int]], vocab: int) -> None:
         self.expected, self.vocab = expected, vocab
