@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from specgate.gateway.limits.shared import SharedTables, attached
 from specgate.gateway.limits.shared_buckets import SharedRateLimiter
 from specgate.gateway.policy.manager import PolicyManager
 from specgate.gateway.policy.store import MemoryPolicyStore, SqlPolicyStore
+from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.routing.router import Router, RoutingPolicy
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.metrics import Metrics
@@ -33,6 +35,7 @@ from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
+from specgate.policies.decision import Slo
 from specgate.policies.load import Load
 
 logger = logging.getLogger("specgate.gateway")
@@ -83,6 +86,8 @@ class Services:
     key_limits: dict[str, TenantLimits] = field(default_factory=dict)
     default_limits: TenantLimits = TenantLimits(0, 0, 0)
     shared: SharedTables | None = None
+    # Latency targets of the keys that set their own (ApiKey.slo_*), by key id.
+    key_slos: dict[str, Slo] = field(default_factory=dict)
     _limiters: dict[int, Limiter] = field(default_factory=dict)
 
     @classmethod
@@ -96,10 +101,19 @@ class Services:
         # One pooled client for every external backend; per-backend timeouts are set per request.
         client = UpstreamClient(max_connections=1000)
         engine_socket = worker.engine_socket if worker is not None else None
-        registry = BackendRegistry.from_settings(settings, client, cache_dir, engine_socket)
+        shared = attached(worker.shared_limits if worker is not None else None)
+        in_flight: Concurrency = ConcurrencyLimiter()
+        if shared is not None and worker is not None:
+            counters = shared.in_flight(worker.index, worker.workers)
+            # A new generation of this worker's counts: what a dead predecessor in its slot held
+            # stops counting.
+            counters.bump(worker.index)
+            in_flight = counters
+        registry = BackendRegistry.from_settings(
+            settings, client, cache_dir, engine_socket, in_flight if shared is not None else None
+        )
         relay = worker.telemetry_socket if worker is not None else None  # the supervisor's one writer
         store = TelemetryStore(settings.telemetry, relay) if settings.telemetry.enabled else None
-        shared = attached(worker.shared_limits if worker is not None else None)
         policy: PolicyManager | None = None
         routing: RoutingPolicy | None = None
         if settings.policy.enabled:
@@ -110,13 +124,6 @@ class Services:
             routing = RoutingPolicy(classifier, policy)
         router = Router(settings, registry, routing)
         key_ids = KeyIds(gateway_secret(secret_path(settings)))
-        in_flight: Concurrency = ConcurrencyLimiter()
-        if shared is not None and worker is not None:
-            counters = shared.in_flight(worker.index, worker.workers)
-            # A new generation of this worker's counts: what a dead predecessor in its slot held
-            # stops counting.
-            counters.bump(worker.index)
-            in_flight = counters
         defaults = TenantLimits(
             settings.max_in_flight_per_key, settings.max_streams_per_key, settings.rate_limit_rpm
         )
@@ -127,6 +134,11 @@ class Services:
                 defaults.rate_limit_rpm if k.rate_limit_rpm is None else k.rate_limit_rpm,
             )
             for k in settings.api_keys
+        }
+        key_slos = {
+            key_ids.of(k.key.get_secret_value()): Slo(k.slo_ttft_ms, k.slo_tpot_ms)
+            for k in settings.api_keys
+            if k.slo_ttft_ms is not None or k.slo_tpot_ms is not None
         }
         services = cls(
             settings=settings,
@@ -147,6 +159,7 @@ class Services:
             key_limits=key_limits,
             default_limits=defaults,
             shared=shared,
+            key_slos=key_slos,
         )
         services.metrics.models = registry.models
         if store is not None:
@@ -161,6 +174,14 @@ class Services:
             self.metrics.observe(record)
         except Exception:  # a metrics bug must not cost the row
             logger.exception("counting request %s failed", record.request_id)
+        route = record.route
+        if route is not None and route.prefix_blocks:
+            try:
+                self.router.affinity.observe(route, record.cached_tokens, record.prompt_tokens)
+            except Exception:  # nor may the prefix index's
+                logger.exception("updating the prefix index for %s failed", record.request_id)
+            # Up to max_prompt_blocks hashes: not worth keeping with every recent record.
+            route.prefix_blocks = None
         self.submit(record)
         if self.settings.log_requests:
             logger.info(
@@ -254,9 +275,18 @@ class Services:
             return key_id
         return f"addr:{addr}"
 
+    def slo(self, key_id: str | None, headers: Mapping[str, str]) -> Slo | None:
+        """A request's latency targets: its headers, else its key's, else the gateway's; each
+        target on its own. 400 for a header that is not a positive number of milliseconds."""
+        key = self.key_slos.get(key_id or "") or Slo()
+        gw = self.settings.slo
+        ttft = _slo_header(headers, "x-slo-ttft-ms", gw.ttft_ms if key.ttft_ms is None else key.ttft_ms)
+        tpot = _slo_header(headers, "x-slo-tpot-ms", gw.tpot_ms if key.tpot_ms is None else key.tpot_ms)
+        return None if ttft is None and tpot is None else Slo(ttft, tpot)
+
     def load_signals(self) -> Load:
         """What the routing policy reads of the current load."""
-        backends = {b.name: b.load() for b in self.registry}
+        backends = self.registry.loads()
         embedded = self.registry.embedded
         if embedded is None or embedded.client is None:
             return Load(backends=backends)
@@ -278,3 +308,21 @@ def salted(scope: str, cache_salt: str) -> str:
     neither part: scopes are key hashes or addresses, and salts may hold no control characters)."""
     digest = hashlib.sha256(f"{scope}\x00{cache_salt}".encode()).hexdigest()
     return f"salt:{digest}"
+
+
+def _slo_header(headers: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip()) if len(raw) <= 32 else math.nan
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1e7:  # NaN fails too
+        raise GatewayError(
+            400,
+            f"{name} must be a positive number of milliseconds (at most 1e7)",
+            param=name,
+            code="invalid_value",
+        )
+    return value

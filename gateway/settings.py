@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from specgate.engine.spec_decode.params import SpecParams
@@ -130,7 +130,17 @@ class BackendSettings(BaseModel):
     # Backends with the same group are replicas of one deployment (the same weights behind
     # several servers): a conversation sticks to one of them while it is healthy and not
     # overloaded, so that the replica's prefix cache holds its earlier turns (`affinity`).
-    replica_group: str | None = Field(None, min_length=1, max_length=64)
+    # The group is one routing arm (the policy picks the group, affinity the replica in it), so its
+    # name follows the same rule as a backend's and may not be another backend's name.
+    replica_group: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[^:\s]+$")
+    # Whether this server speculates, and how: a routing arm of its own kind, `<name>:upstream` when
+    # it does not, `<name>:upstream-<method>` when it does. auto: discovered from its /metrics
+    # (speculation counters that count drafts), off until they do; "on": it speculates, method unsaid.
+    speculative: Literal["auto", "off", "on", "ngram", "suffix", "eagle", "draft_model"] = "auto"
+    # Its Prometheus /metrics, read every health interval for its load (requests running and waiting,
+    # KV-cache use, speculation counters). None: `base_url` without its trailing /v1, plus /metrics.
+    metrics_url: str | None = None
+    scrape_metrics: bool = True  # False: its load is this gateway's own in-flight count alone
 
     @field_validator("models", mode="before")
     @classmethod
@@ -139,12 +149,21 @@ class BackendSettings(BaseModel):
             return {str(m): str(m) for m in value}
         return value
 
-    @field_validator("base_url")
+    @field_validator("base_url", "metrics_url")
     @classmethod
-    def _strip_slash(cls, value: str) -> str:
+    def _strip_slash(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
         if not value.startswith(("http://", "https://")):
-            raise ValueError("base_url must start with http:// or https://")
+            raise ValueError(f"{info.field_name} must start with http:// or https://")
         return value.rstrip("/")
+
+    @property
+    def metrics_endpoint(self) -> str:
+        if self.metrics_url is not None:
+            return self.metrics_url
+        base = self.base_url.removesuffix("/v1")
+        return f"{base}/metrics"
 
 
 class ModelRoute(BaseModel):
@@ -173,6 +192,25 @@ class AffinitySettings(BaseModel):
     # developer messages and the first user message), and a completion by this many leading
     # characters of its prompt.
     prompt_chars: int = Field(512, ge=16, le=65536)
+    # prefix: a request goes to the replica that (by where this gateway sent earlier prompts, checked
+    # against the cached_tokens replicas report) holds the longest part of its prompt in its prefix
+    # cache, traded against load (routing/prefix_index.py); the session key's replica when none
+    # holds enough of it. session: the session key alone (the `user` field or leading messages).
+    mode: Literal["prefix", "session"] = "prefix"
+    block_chars: int = Field(256, ge=8, le=4096)  # prompt characters per hashed block (~64 tokens)
+    # A match shorter than this many blocks counts for nothing: a short preamble every request
+    # shares must not pin all traffic to the replica that saw it first.
+    min_match_blocks: int = Field(4, ge=1, le=65536)
+    # What one request in flight weighs against prefill: a replica with one more request in flight
+    # is worth this many uncached prompt tokens. Lower keeps prompts with their cached prefix more;
+    # higher spreads them by load more (bench/bench_pools.py measures both).
+    tokens_per_request: float = Field(256.0, gt=0.0, le=1e7)
+    chars_per_token: float = Field(4.0, gt=0.0, le=64.0)  # to turn unmatched characters into tokens
+    # Blocks remembered per replica (LRU): about its KV-cache tokens / (block_chars / chars_per_token),
+    # divided by `workers` (each worker process keeps its own index of its own traffic). Too large
+    # and the index promises blocks the replica has already evicted.
+    index_blocks: int = Field(8192, ge=16, le=2**24)
+    max_prompt_blocks: int = Field(128, ge=1, le=65536)  # blocks hashed of one prompt (32k chars)
 
 
 class TelemetrySettings(BaseModel):
@@ -229,6 +267,9 @@ class ApiKey(BaseModel):
     # Of those, streams open at once (each holds a connection for as long as it runs); 0: no cap.
     max_streams: int | None = Field(None, ge=0, le=1_000_000)
     rate_limit_rpm: int | None = Field(None, ge=0)
+    # Latency targets for this key's requests that send none (x-slo-ttft-ms / x-slo-tpot-ms).
+    slo_ttft_ms: float | None = Field(None, gt=0, le=1e7)
+    slo_tpot_ms: float | None = Field(None, gt=0, le=1e7)
 
     @field_validator("key")
     @classmethod
@@ -237,6 +278,18 @@ class ApiKey(BaseModel):
         if not raw or raw != raw.strip() or any(ord(c) < 0x21 or ord(c) == 0x7F for c in raw):
             raise ValueError("an API key must be non-empty printable text without spaces")
         return value
+
+
+class SloSettings(BaseModel):
+    """Latency targets: a request's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers, else its key's
+    (ApiKey.slo_*), else these. The learned policy keeps to the arms it predicts will meet them."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(None, gt=0, le=1e7)
+    tpot_ms: float | None = Field(None, gt=0, le=1e7)
+    # A request no arm is predicted to serve within its targets: 429 with Retry-After (True), or
+    # served by the arm with the most headroom (False).
+    reject: bool = False
 
 
 class ConnectionSettings(BaseModel):
@@ -317,6 +370,7 @@ class Settings(BaseSettings):
     affinity: AffinitySettings = Field(default_factory=AffinitySettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    slo: SloSettings = Field(default_factory=SloSettings)
     ui: UISettings = Field(default_factory=UISettings)
     log_requests: bool = True
 
@@ -375,6 +429,13 @@ class Settings(BaseSettings):
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(sorted(dupes))}")
+        groups = {b.replica_group for b in self.backends if b.replica_group is not None}
+        clash = groups & set(names)
+        if clash:
+            raise ValueError(
+                "a replica_group is a routing arm and may not share a backend's name: "
+                + ", ".join(sorted(clash))
+            )
         for model, route in self.routes.items():
             unknown = set(route.backends) - set(names)
             if unknown:

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OFF = "off"
-UPSTREAM = "upstream"  # an external backend: it decides its own speculation
+# An external backend (or replica group) that does not speculate, or whose speculation is unknown;
+# one that does is `upstream-<method>` ("upstream-on" where the method is not known). The server
+# decides its own drafts: the arm says only what kind of pool it is.
+UPSTREAM = "upstream"
+UPSTREAM_SPEC = "upstream-"
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,8 +28,26 @@ class Arm:
         return f"{self.backend}:{self.method}"
 
     @property
+    def external(self) -> bool:
+        return self.method == UPSTREAM or self.method.startswith(UPSTREAM_SPEC)
+
+    @property
     def speculative(self) -> bool:
         return self.method not in (OFF, UPSTREAM)
+
+    @property
+    def proposer(self) -> str:
+        """The drafting method, embedded or external ("off" / "upstream" when none)."""
+        return self.method.removeprefix(UPSTREAM_SPEC)
+
+    @classmethod
+    def upstream(cls, backend: str, speculation: str | None) -> Arm:
+        """An external pool's arm: `speculation` is its method, "on" (unknown method) or None / "off"."""
+        if speculation is None or speculation == OFF:
+            return cls(backend, UPSTREAM)
+        if not speculation or speculation.startswith(UPSTREAM) or ":" in speculation:
+            raise ValueError(f"not a speculation method: {speculation!r}")
+        return cls(backend, UPSTREAM_SPEC + speculation)
 
     @classmethod
     def parse(cls, key: str) -> Arm:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from specgate.policies.classes import WORKLOAD_CLASSES
+from specgate.policies.load import ARM_LOAD, arm_input
 
 REQUEST_FEATURES = (
     *(f"p_{c}" for c in WORKLOAD_CLASSES),
@@ -26,7 +27,7 @@ REQUEST_FEATURES = (
     "copyability",
     "tools_or_json",
 )
-LOAD_FEATURES = ("load_running", "load_queue", "load_log_batch_tokens", "load_kv_usage", "load_log_step_ms")
+LOAD_FEATURES = ARM_LOAD  # each about the arm's own backend (policies/load.py)
 MODEL_FEATURES = REQUEST_FEATURES + LOAD_FEATURES
 Z_LIMIT = 4.0  # standardized inputs are clipped to this many training standard deviations
 CONSTANT_SCALE = 1e12  # the scale of a feature constant in training (see ArmModel.fit)
@@ -43,6 +44,7 @@ class TrainingRow:
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     propensity: float | None = None  # the logging policy's chance of this arm; None: not logged
+    ttft_ms: float | None = None  # None: unknown (a non-streamed call whose backend did not say)
 
     def __post_init__(self) -> None:
         if not self.tokens_per_s > 0:
@@ -51,8 +53,10 @@ class TrainingRow:
             raise ValueError("propensity must be in (0, 1]")
 
 
-def vector(features: dict[str, float]) -> np.ndarray:
-    return np.array([float(features.get(n, 0.0)) for n in MODEL_FEATURES])  # [n_features]
+def vector(features: dict[str, float], arm: str) -> np.ndarray:
+    """The model input of arm `arm` (its key): the request's features and its own backend's load."""
+    own = arm_input(features, arm.rpartition(":")[0])
+    return np.array([float(own.get(n, 0.0)) for n in MODEL_FEATURES])  # [n_features]
 
 
 @dataclass(slots=True)
@@ -63,6 +67,7 @@ class Prediction:
     # Posterior spread of the mean alone: how sure the model is of the arm's expected goodput,
     # which more rows narrow (the noise term in `log_std` never shrinks).
     mean_std: float = 0.0
+    ttft_ms: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,6 +77,8 @@ class Prediction:
         out = {"tokens_per_s": round(self.tokens_per_s, 3), "log_std": round(self.log_std, 4)}
         if self.tpot_ms is not None:
             out["tpot_ms"] = round(self.tpot_ms, 3)
+        if self.ttft_ms is not None:
+            out["ttft_ms"] = round(self.ttft_ms, 3)
         return out
 
 
@@ -86,6 +93,8 @@ class ArmModel:
     sigma: np.ndarray  # [n_features, n_features] posterior covariance of coef
     tpot_coef: np.ndarray | None  # [n_features], target log TPOT ms
     tpot_intercept: float = 0.0
+    ttft_coef: np.ndarray | None = None  # [n_features], target log TTFT ms
+    ttft_intercept: float = 0.0
 
     def _standardize(self, x: np.ndarray) -> np.ndarray:
         # A linear model extrapolates without limit: inputs far outside the training range (a load
@@ -112,13 +121,17 @@ class ArmModel:
     def predict(self, x: np.ndarray) -> Prediction:
         z = self._standardize(x)
         mu, std, mean_std = self._moments(z)
-        tpot = None
+        tpot = ttft = None
         if self.tpot_coef is not None:
-            tpot = math.exp(float(z @ self.tpot_coef + self.tpot_intercept))
-        return Prediction(mu, std, tpot, mean_std)
+            tpot = math.exp(min(30.0, float(z @ self.tpot_coef + self.tpot_intercept)))
+        if self.ttft_coef is not None:
+            ttft = math.exp(min(30.0, float(z @ self.ttft_coef + self.ttft_intercept)))
+        return Prediction(mu, std, tpot, mean_std, ttft)
 
     @classmethod
-    def fit(cls, x: np.ndarray, tps: np.ndarray, tpot: np.ndarray) -> ArmModel:
+    def fit(
+        cls, x: np.ndarray, tps: np.ndarray, tpot: np.ndarray, ttft: np.ndarray | None = None
+    ) -> ArmModel:
         from sklearn.linear_model import BayesianRidge, Ridge
 
         mean = x.mean(axis=0)
@@ -130,11 +143,19 @@ class ArmModel:
         scale[scale < 1e-9] = CONSTANT_SCALE
         z = (x - mean) / scale  # [n_rows, n_features]
         br = BayesianRidge().fit(z, np.log(tps))
-        has_tpot = ~np.isnan(tpot)
-        tpot_coef, tpot_intercept = None, 0.0
-        if has_tpot.sum() >= 5:
-            ridge = Ridge(alpha=1.0).fit(z[has_tpot], np.log(tpot[has_tpot]))
-            tpot_coef, tpot_intercept = ridge.coef_, float(ridge.intercept_)
+
+        def latency(target: np.ndarray | None) -> tuple[np.ndarray | None, float]:
+            """A ridge regression of log latency on the rows that know it (at least 5)."""
+            if target is None:
+                return None, 0.0
+            known = ~np.isnan(target)
+            if known.sum() < 5:
+                return None, 0.0
+            ridge = Ridge(alpha=1.0).fit(z[known], np.log(target[known]))
+            return ridge.coef_, float(ridge.intercept_)
+
+        tpot_coef, tpot_intercept = latency(tpot)
+        ttft_coef, ttft_intercept = latency(ttft)
         return cls(
             len(x),
             mean,
@@ -145,6 +166,8 @@ class ArmModel:
             br.sigma_,
             tpot_coef,
             tpot_intercept,
+            ttft_coef,
+            ttft_intercept,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -158,6 +181,8 @@ class ArmModel:
             "sigma": self.sigma.tolist(),
             "tpot_coef": None if self.tpot_coef is None else self.tpot_coef.tolist(),
             "tpot_intercept": self.tpot_intercept,
+            "ttft_coef": None if self.ttft_coef is None else self.ttft_coef.tolist(),
+            "ttft_intercept": self.ttft_intercept,
         }
 
     @classmethod
@@ -175,6 +200,8 @@ class ArmModel:
             arr(d["sigma"]),
             None if d.get("tpot_coef") is None else arr(d["tpot_coef"]),
             float(d.get("tpot_intercept", 0.0)),
+            None if d.get("ttft_coef") is None else arr(d["ttft_coef"]),
+            float(d.get("ttft_intercept", 0.0)),
         )
 
 
@@ -188,7 +215,7 @@ class GoodputModel:
             raise ValueError("goodput model was fitted on a different feature set; retrain it")
 
     def predict(self, arm: str, features: dict[str, float]) -> Prediction:
-        return self.arms[arm].predict(vector(features))
+        return self.arms[arm].predict(vector(features, arm))
 
     @classmethod
     def fit(cls, rows: Sequence[TrainingRow], min_arm_rows: int) -> GoodputModel:
@@ -199,10 +226,11 @@ class GoodputModel:
         for key, group in sorted(by_arm.items()):
             if len(group) < min_arm_rows:
                 continue
-            x = np.stack([vector(r.features) for r in group])  # [n_rows, n_features]
+            x = np.stack([vector(r.features, key) for r in group])  # [n_rows, n_features]
             tps = np.array([r.tokens_per_s for r in group])
             tpot = np.array([r.tpot_ms if r.tpot_ms and r.tpot_ms > 0 else np.nan for r in group])
-            arms[key] = ArmModel.fit(x, tps, tpot)
+            ttft = np.array([r.ttft_ms if r.ttft_ms and r.ttft_ms > 0 else np.nan for r in group])
+            arms[key] = ArmModel.fit(x, tps, tpot, ttft)
         return cls(arms)
 
     def as_dict(self) -> dict[str, Any]:

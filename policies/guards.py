@@ -34,8 +34,13 @@ def safe_arms(
     rules: RuleConfig,
     cost: StepCost | None = None,
     priors: dict[str, float] | None = None,
+    crossovers: dict[str, float] | None = None,
 ) -> tuple[list[Arm], list[str]]:
-    """The arms this request may take, in preference order, and why others were dropped."""
+    """The arms this request may take, in preference order, and why others were dropped.
+
+    `crossovers`: per class and external speculative arm (`<class>:<arm>`), the batch (its backend's
+    requests running and waiting) from which its measured TPOT is no better than the plain pools'
+    (retrain measures it); without one, the rules' `max_batch_for_spec` on its own backend's batch."""
     why: list[str] = []
     healthy = [
         a
@@ -49,21 +54,50 @@ def safe_arms(
     if not rules.across_backends:
         arms = [a for a in arms if a.backend == healthy[0].backend]
     if ctx.structured:
-        arms = [a for a in arms if not a.speculative or a.method in rules.structured_methods]
+        # The embedded engine's methods only: an external pool enforces its own output constraints,
+        # and dropping its arm would drop the whole server, not a way of drafting on it.
+        arms = [a for a in arms if a.external or not a.speculative or a.method in rules.structured_methods]
         if len(arms) < len(healthy):
             why.append("structured output: only " + ", ".join(rules.structured_methods) + " may speculate")
+    arms = _external_crossover(ctx, rules, arms, crossovers or {}, why)
+    embedded = [a for a in arms if not a.external]
     if cost is not None:
-        paying = [a for a in arms if not a.speculative or best_k(ctx, rules, cost, priors or {}, a) > 0]
-        dropped = [a.key for a in arms if a not in paying]
+        paying = [a for a in embedded if not a.speculative or best_k(ctx, rules, cost, priors or {}, a) > 0]
+        dropped = [a.key for a in embedded if a not in paying]
         if dropped and paying:
             if any(a.speculative for a in paying):
                 why.append(f"batch {ctx.load.batch}: {', '.join(dropped)} past the measured crossover")
             else:
                 why.append(f"batch {ctx.load.batch} past the measured crossover: speculation off")
-            arms = paying
-    elif large_batch(ctx, rules):
-        kept = [a for a in arms if not a.speculative]
+            arms = [a for a in arms if a.external or a in paying]
+    elif large_batch(ctx, rules) and any(a.speculative for a in embedded):
+        kept = [a for a in embedded if not a.speculative]
         if kept:
             why.append(f"batch {ctx.load.batch} >= {rules.max_batch_for_spec}: speculation off")
-            arms = kept
+            arms = [a for a in arms if a.external or a in kept]
     return arms, why
+
+
+def _external_crossover(
+    ctx: DecisionContext, rules: RuleConfig, arms: list[Arm], crossovers: dict[str, float], why: list[str]
+) -> list[Arm]:
+    """Without the speculative external pools whose own batch is past their crossover, as long as a
+    pool that does not speculate remains (a speculative pool past its crossover is still a server)."""
+    if not any(a.external and not a.speculative for a in arms):
+        return arms
+    past: dict[Arm, str] = {}
+    for a in arms:
+        if not (a.external and a.speculative):
+            continue
+        batch = ctx.load.batch_of(a.backend)
+        # Per class only: a line over all classes mixes copyable prompts with prose, and its
+        # crossover (often 0) would switch the pool off for the classes where it pays most.
+        limit = crossovers.get(f"{ctx.label}:{a.key}")
+        if limit is not None and batch >= limit:
+            past[a] = f"{a.key} (batch {batch} >= measured {limit:g})"
+        elif limit is None and 0 < rules.max_batch_for_spec <= batch:
+            past[a] = f"{a.key} (batch {batch} >= {rules.max_batch_for_spec})"
+    if not past:
+        return arms
+    why.append("speculative pool past its crossover: " + ", ".join(past.values()))
+    return [a for a in arms if a not in past]

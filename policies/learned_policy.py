@@ -11,9 +11,9 @@ import random
 import numpy as np
 
 from specgate.policies.arms import Arm
-from specgate.policies.decision import Decision, DecisionContext
+from specgate.policies.decision import Decision, DecisionContext, Slo
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.goodput import GoodputModel, Prediction, vector
+from specgate.policies.goodput import GoodputModel, Prediction
 from specgate.policies.guards import safe_arms
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
@@ -31,22 +31,27 @@ class LearnedPolicy:
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
         cost: StepCost | None = None,
+        crossovers: dict[str, float] | None = None,
     ) -> None:
         self.rules = rules
         self.model = model
         self.budget = budget or ExplorationBudget(rules.exploration_cap)
-        self.fallback = RulePolicy(rules, priors, self.budget, seed, cost)
+        self.fallback = RulePolicy(rules, priors, self.budget, seed, cost, crossovers)
         self.rng = random.Random(seed)
 
     def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
-        arms, why = safe_arms(ctx, self.rules, self.fallback.cost, self.fallback.priors)
+        fb = self.fallback
+        arms, why = safe_arms(ctx, self.rules, fb.cost, fb.priors, fb.crossovers)
         modelled = [a for a in arms if a.key in self.model.arms]
         if not modelled:
             decision = self.fallback.decide(ctx, explore)
             decision.reason = "no modelled arm: rules; " + decision.reason
             return decision
-        x = vector(ctx.model_input())
-        preds = {a: self.model.arms[a.key].predict(x) for a in modelled}
+        preds = {a: self.model.predict(a.key, ctx.model_input(a)) for a in modelled}
+        slo_miss = False
+        headroom: dict[Arm, float] = {}
+        if ctx.slo is not None:
+            modelled, arms, slo_miss, headroom = self._within_slo(ctx.slo, arms, modelled, preds, why)
         greedy = self._greedy(ctx, arms, modelled, preds, why)
         pick, explored = greedy, False
         shares = {greedy: 1.0}  # the probability of each arm this decision could have taken
@@ -86,7 +91,39 @@ class LearnedPolicy:
         # Thompson shares are estimated from a fixed set of draws: an arm that was in fact sampled
         # is never given less than one draw's worth.
         decision.propensity = min(1.0, max(shares.get(pick, 0.0), 1.0 / THOMPSON_DRAWS))
+        decision.slo_headroom = headroom.get(pick)
+        decision.slo_miss = slo_miss
         return decision
+
+    @staticmethod
+    def _within_slo(
+        slo: Slo, arms: list[Arm], modelled: list[Arm], preds: dict[Arm, Prediction], why: list[str]
+    ) -> tuple[list[Arm], list[Arm], bool, dict[Arm, float]]:
+        """The arms the request may take under its latency targets: the modelled arms predicted to
+        meet them (goodput then chooses among them as usual), or, if none is, the one with the
+        most headroom (a miss). Arms whose TTFT or TPOT is not modelled cannot be judged: they are
+        kept only when no modelled arm can be."""
+        headroom = {
+            a: h for a in modelled if (h := slo.headroom(preds[a].ttft_ms, preds[a].tpot_ms)) is not None
+        }
+        if not headroom:
+            why.append("SLO: no arm's latency is modelled yet")
+            return modelled, arms, False, headroom
+        meeting = [a for a in modelled if headroom.get(a, 0.0) >= 1.0]
+        if meeting:
+            if len(meeting) < len(modelled):
+                why.append(
+                    "SLO: " + ", ".join(a.key for a in modelled if a not in meeting) + " predicted to miss"
+                )
+            return meeting, [a for a in arms if a in meeting], False, headroom
+        best = max(headroom, key=lambda a: headroom[a])
+        unjudged = [a for a in arms if a not in headroom]
+        why.append(
+            f"SLO: no modelled arm predicted to meet it; {best.key} has the most headroom "
+            f"({headroom[best]:.2f})"
+        )
+        # An arm whose latency is not modelled might meet it: not a miss while one is left.
+        return [best], [best, *unjudged], not unjudged, headroom
 
     def _greedy(
         self,
@@ -101,7 +138,7 @@ class LearnedPolicy:
         leave the baseline only where the data say so)."""
         best = max(modelled, key=lambda a: preds[a].log_mean)
         baseline = self.fallback.target(ctx, arms, [])
-        if baseline == best or baseline not in preds:
+        if baseline == best or baseline not in modelled:
             return best
         lead = preds[best].log_mean - preds[baseline].log_mean
         error = math.hypot(preds[best].mean_std, preds[baseline].mean_std)

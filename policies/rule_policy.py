@@ -23,15 +23,18 @@ class RulePolicy:
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
         cost: StepCost | None = None,
+        crossovers: dict[str, float] | None = None,
     ) -> None:
         self.rules = rules
         self.priors = priors or {}
         self.cost = cost  # measured step cost: where speculation stops paying (None: the constant)
+        # Per external speculative arm, the batch from which it no longer pays (measured).
+        self.crossovers = crossovers or {}
         self.budget = budget or ExplorationBudget(rules.exploration_cap)
         self.rng = random.Random(seed)
 
     def decide(self, ctx: DecisionContext, explore: bool = True) -> Decision:
-        arms, why = safe_arms(ctx, self.rules, self.cost, self.priors)
+        arms, why = safe_arms(ctx, self.rules, self.cost, self.priors, self.crossovers)
         target = self.target(ctx, arms, why)
         explored = False
         # Exploration happens with probability `rate` when the budget allows it (a pure check), to
@@ -53,15 +56,20 @@ class RulePolicy:
         backend = arms[0].backend
         rule = self.rules.rule_for(ctx.label, ctx.confidence)
         on_backend = [a for a in arms if a.backend == backend]
-        if all(not a.speculative for a in on_backend) and any(a.method != OFF for a in on_backend):
-            why.insert(0, f"{backend} decides its own speculation")
-            return on_backend[0]
         name = ctx.label if ctx.confidence >= self.rules.min_confidence else "uncertain"
-        why.insert(0, f"{name} ({ctx.confidence:.2f}): rule {rule.method}")
         method = rule.method
         if ctx.label == "open_chat" and ctx.temperature >= self.rules.high_temperature and method != OFF:
             why.append(f"temperature {ctx.temperature:g} >= {self.rules.high_temperature:g}: off")
             method = OFF
+        if arms[0].external:
+            # External pools: the one of the class's kind (speculative or not) first in the
+            # configured order, else the first; the server drafts as it does.
+            pools = [a for a in arms if a.external]
+            kind = next((a for a in pools if a.speculative == (method != OFF)), arms[0])
+            what = "speculative" if kind.speculative else "plain"
+            why.insert(0, f"{name} ({ctx.confidence:.2f}): rule {method}: {what} pool {kind.backend}")
+            return kind
+        why.insert(0, f"{name} ({ctx.confidence:.2f}): rule {rule.method}")
         wanted = Arm(backend, method)
         if wanted in on_backend:
             return wanted
@@ -73,7 +81,7 @@ class RulePolicy:
     def finish(self, ctx: DecisionContext, arm: Arm, reason: str, explored: bool) -> Decision:
         rule = self.rules.rule_for(ctx.label, ctx.confidence)
         k_min, k_max = rule.k_range
-        if not arm.speculative:
+        if not arm.speculative or arm.external:  # an external server sets its own K
             k_min = k_max = 0
         elif self.cost is not None:
             # K no longer than what pays at this batch, by the measured step cost.
@@ -85,6 +93,6 @@ class RulePolicy:
             k_min=k_min,
             k_max=k_max,
             controller=rule.controller,
-            acceptance_prior=self.priors.get(f"{ctx.label}:{arm.method}") if arm.speculative else None,
+            acceptance_prior=self.priors.get(f"{ctx.label}:{arm.method}") if k_max else None,
             explored=explored,
         )

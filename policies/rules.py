@@ -65,10 +65,11 @@ class RuleConfig:
     max_batch_for_spec: int = 16
     # Methods allowed for tool calls / JSON output (the others are never chosen for them).
     structured_methods: list[str] = field(default_factory=lambda: ["ngram", "suffix"])
-    # False: the policy chooses among the arms of the first healthy backend in the configured order
-    # (the order is the operator's preference and failover plan). True: across backends too, by
-    # predicted goodput (learned) and exploration.
-    across_backends: bool = False
+    # True: the policy chooses among every healthy backend's arms (a replica group is one), by
+    # predicted goodput (learned) and exploration; the rules prefer the first healthy backend in
+    # the configured order, or its speculative / plain pool as the class's rule says. False: only
+    # the first healthy backend's arms (the order is the operator's preference and failover plan).
+    across_backends: bool = True
     # Share of traffic routed to a random safe arm to learn about it; and the hard cap on the
     # share of decisions that explore, whichever policy is active.
     exploration_rate: float = 0.05

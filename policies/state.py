@@ -24,6 +24,9 @@ class PolicyState:
     priors: dict[str, float] = field(default_factory=dict)
     # The engine's measured step cost by batch tokens: where speculation stops paying.
     step_cost: StepCost | None = None
+    # Per external speculative arm (and per class and arm): the batch from which it stops paying
+    # (policies/crossover.py).
+    crossovers: dict[str, float] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -33,8 +36,10 @@ class PolicyState:
         budget = budget or ExplorationBudget(self.rules.exploration_cap)
         budget.cap = self.rules.exploration_cap
         if self.model is not None and self.model.arms:
-            return LearnedPolicy(self.rules, self.model, self.priors, budget, seed, self.step_cost)
-        return RulePolicy(self.rules, self.priors, budget, seed, self.step_cost)
+            return LearnedPolicy(
+                self.rules, self.model, self.priors, budget, seed, self.step_cost, self.crossovers
+            )
+        return RulePolicy(self.rules, self.priors, budget, seed, self.step_cost, self.crossovers)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -42,6 +47,7 @@ class PolicyState:
             "model": None if self.model is None else self.model.as_dict(),
             "priors": dict(self.priors),
             "step_cost": None if self.step_cost is None else self.step_cost.as_dict(),
+            "crossovers": dict(self.crossovers),
         }
 
     @classmethod
@@ -52,4 +58,5 @@ class PolicyState:
             None if model is None else GoodputModel.from_dict(model),
             dict(d.get("priors") or {}),
             None if cost is None else StepCost.from_dict(cost),
+            {str(k): float(v) for k, v in (d.get("crossovers") or {}).items()},
         )

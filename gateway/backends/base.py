@@ -19,14 +19,21 @@ class Observation:
     """What a backend saw while serving one call; the gateway turns it into metrics and a record."""
 
     backend: str = ""
-    first_token_time: float | None = None  # time.time() of the first content byte
+    # time.time() of the first content byte; None when unknown (a non-streamed external call whose
+    # backend did not report its own time to first token): never the whole request's time.
+    first_token_time: float | None = None
+    # What an external backend measured itself (vLLM `metrics`, llama.cpp `timings`, SGLang
+    # `meta_info`, specgate's `metrics`), in seconds: its time to first token and time per output
+    # token. A non-streamed call's TTFT and TPOT come from these; None: the backend did not say.
+    backend_ttft: float | None = None
+    backend_tpot: float | None = None
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # Prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens); None
     # when the backend did not say.
     cached_tokens: int | None = None
-    queue_time: float | None = None  # seconds waiting for a batch slot (embedded)
+    queue_time: float | None = None  # seconds waiting for a batch slot (embedded, or as a backend said)
     # Speculation counters in vLLM's vocabulary (embedded engine, or parsed from the backend).
     spec_decoding: dict[str, Any] | None = None
     grammar: str | None = None  # the kind of output constraint the backend enforced; None: none

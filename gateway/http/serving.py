@@ -43,7 +43,9 @@ async def handle(
     tracker.stream, tracker.load = bool(parsed.stream), load
     streaming = False
     try:
-        decision = tracker.decision = svc.router.route(parsed, load)
+        slo = svc.slo(caller.key_id, request.headers)
+        decision = tracker.decision = svc.router.route(parsed, load, slo)
+        svc.router.admit(decision)
         call = tracker.call = BackendCall(
             request_id=ctx.request_id,
             kind=kind,

@@ -11,6 +11,7 @@ a change made through any of them is live in all within a few seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -82,6 +83,7 @@ class PolicyManager:
             "acceptance_priors": self.state.priors,
             "exploration_share": round(self.budget.share, 4),
             "step_cost": self._step_cost(),
+            "pool_crossovers": self.state.crossovers,
             "settings": self.settings.model_dump(),
         }
 
@@ -105,7 +107,7 @@ class PolicyManager:
         async with self._lock:
             if self.persistent:
                 await self._follow()  # the new rules go on the latest model, wherever it was made
-            state = PolicyState(rules, self.state.model, self.state.priors, self.state.step_cost)
+            state = dataclasses.replace(self.state, rules=rules)
             return await asyncio.to_thread(self._add_active, state, "edit", note)
 
     async def rollback(self, version: int) -> Version:

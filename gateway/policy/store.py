@@ -146,6 +146,7 @@ class SqlPolicyStore:
             r.workload_class,
             r.tokens_per_s,
             r.tpot_ms,
+            r.ttft_ms,
             r.num_draft_tokens,
             r.num_accepted_tokens,
             r.propensity,
@@ -174,6 +175,7 @@ class SqlPolicyStore:
                         row.num_draft_tokens,
                         row.num_accepted_tokens,
                         row.propensity if row.propensity is not None and 0 < row.propensity <= 1 else None,
+                        row.ttft_ms,
                     )
                 )
         return out

@@ -34,11 +34,29 @@ class RouteDecision:
     backend: str | None = None
     external: bool = False  # an external backend: it decided its own speculation
     arm: str | None = None  # "<backend>:<method>": what actually served (the policy learns from it)
+    chosen_arm: str | None = None  # the arm the policy chose (None: no policy chose)
+    # External candidates -> the arm of the pool each serves in (a replica group's arm for its
+    # members): which replica affinity or failover picks inside a pool leaves the arm as chosen.
+    pools: dict[str, str] = field(default_factory=dict)
+    # The prompt's block hashes where prefix affinity read them (routing/affinity.py `observe`
+    # updates its index from them once the request is served); never recorded.
+    prefix_blocks: list[int] | None = None
+    # The request's latency targets ({"ttft_ms", "tpot_ms"}; None: none) and the chosen arm's
+    # predicted headroom against them (target / prediction, >= 1 meets them; None: not predicted).
+    slo: dict[str, float] | None = None
+    slo_headroom: float | None = None
+    slo_miss: bool = False  # no arm was predicted to meet them
 
     def served_by(self, backend: str, external: bool) -> None:
         self.backend, self.external = backend, external
-        method = UPSTREAM if external else (self.spec.method if self.spec is not None else OFF)
-        self.arm = Arm(backend, method).key
+        if external:
+            self.arm = self.pools.get(backend) or Arm(backend, UPSTREAM).key
+        else:
+            self.arm = Arm(backend, self.spec.method if self.spec is not None else OFF).key
+        if self.chosen_arm is not None and self.arm != self.chosen_arm:
+            # Failover to another pool: the outcome is not the chosen arm's, so the chance of
+            # choosing it would weigh the wrong arm in off-policy evaluation.
+            self.propensity = None
         if self.affinity is not None:
             # A hit: the conversation's home replica served it (no spill for load, no failover).
             home = self.affinity.get("home")
@@ -65,6 +83,12 @@ class RouteDecision:
             out["propensity"] = self.propensity
         if self.arm is not None:
             out["arm"] = self.arm
+        if self.chosen_arm is not None and self.chosen_arm != self.arm:
+            out["chosen_arm"] = self.chosen_arm
         if self.affinity is not None:
             out["affinity"] = dict(self.affinity)
+        if self.slo is not None:
+            out["slo"] = dict(self.slo)
+            out["slo_headroom"] = self.slo_headroom
+            out["slo_miss"] = self.slo_miss
         return out

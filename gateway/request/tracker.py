@@ -98,6 +98,8 @@ class RequestTracker:
             completion_tokens=obs.completion_tokens,
             cached_tokens=obs.cached_tokens,
             first_token_time=obs.first_token_time,
+            # A stream's TPOT is measured here; only a whole answer needs the backend's own.
+            backend_tpot_ms=None if obs.backend_tpot is None or self.stream else obs.backend_tpot * 1e3,
             finished_time=self.ended_at or time.time(),
             queue_time_ms=None if obs.queue_time is None else obs.queue_time * 1e3,
             attempts=obs.attempts,

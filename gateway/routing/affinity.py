@@ -19,6 +19,16 @@ members in the list are reordered for the request:
 `Affinity.arrange` returns the new order and an `AffinityChoice`; the route carries it, the record
 learns after dispatch whether the key's home replica (the first healthy one on the ring, load aside)
 served it: the affinity hit rate of the telemetry columns.
+
+With `mode = "prefix"` (the default) the prompt itself decides first: its chained block hashes
+(routing/prefix_index.py) are matched against an index of where this gateway sent earlier prompts,
+and the replica with the lowest cost (prompt tokens it would have to prefill, weighed against its
+requests in flight, within the same bounded-load cap) takes it; a match shorter than
+`min_match_blocks` counts for nothing, and without one the session key's replica does, as above.
+Two conversations sharing a long system prompt thus meet on one replica's cache, and the index is
+corrected by the `cached_tokens` each replica reports (`Affinity.observe`). The load is the
+replica's own where its /metrics say (requests running and waiting), else this gateway's requests
+in flight there, summed over its worker processes.
 """
 
 from __future__ import annotations
@@ -27,9 +37,12 @@ import bisect
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from specgate.gateway.backends.registry import BackendRegistry
+from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.routing.prefix_index import PrefixChoice, PrefixIndex, choose, prompt_blocks
 from specgate.gateway.settings import AffinitySettings, Settings
 
 LEADING_ROLES = frozenset({"system", "developer"})
@@ -41,9 +54,29 @@ class AffinityChoice:
     source: str  # what keyed the request: "user", "prefix" or "none" (least loaded)
     home: str | None  # the key's replica were load no concern (None without a key)
     chosen: str  # the replica the request goes to first
+    # Prefix mode: the prompt's blocks matched on the chosen replica and the best any replica had,
+    # and why it was chosen ("prefix", "load" or "no match"); None in session mode.
+    matched_blocks: int | None = None
+    best_matched_blocks: int | None = None
+    prefix_reason: str | None = None
+    prompt_chars: int | None = None
+    blocks: list[int] | None = None  # the prompt's block hashes (kept for `observe`, never recorded)
 
-    def as_dict(self) -> dict[str, str | None]:
-        return {"group": self.group, "source": self.source, "home": self.home, "chosen": self.chosen}
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "group": self.group,
+            "source": self.source,
+            "home": self.home,
+            "chosen": self.chosen,
+        }
+        if self.prefix_reason is not None:
+            out.update(
+                matched_blocks=self.matched_blocks,
+                best_matched_blocks=self.best_matched_blocks,
+                prefix_reason=self.prefix_reason,
+                prompt_chars=self.prompt_chars,
+            )
+        return out
 
 
 def _point(data: bytes) -> int:
@@ -109,6 +142,29 @@ def session_key(
     return "prefix", h.digest()
 
 
+def prompt_text(request: ChatCompletionRequest | CompletionRequest) -> str:
+    """The prompt as a replica's prefix cache sees it, near enough: every message in order, role
+    and text (a chat template adds its markers around the same text, the same way every time), or a
+    completion's first prompt."""
+    if isinstance(request, ChatCompletionRequest):
+        parts = []
+        for m in request.messages:
+            content = m.content
+            if isinstance(content, str):
+                text = content
+            elif isinstance(content, list):
+                text = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            else:
+                text = "" if content is None else repr(content)
+            parts.append(f"<{m.role}>\n{text}\n")
+        return "".join(parts)
+    prompt = request.prompt
+    first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
+    if isinstance(first, str):
+        return first
+    return " ".join(str(t) for t in first) if isinstance(first, list) else ""
+
+
 def bounded_pick(order: list[str], loads: dict[str, int], load_factor: float, floor: int = 1) -> str:
     """The first replica in `order` whose load with one more request stays within `load_factor`
     times the mean (ceiled, so one request in flight is always allowed somewhere), or within
@@ -130,11 +186,13 @@ class Affinity:
                 groups.setdefault(b.replica_group, []).append(b.name)
         self.group_of = {name: g for g, names in groups.items() for name in names}
         self.rings = {g: HashRing(names, self.settings.ring_points) for g, names in groups.items()}
+        self.index = {g: PrefixIndex(self.settings.index_blocks) for g in groups}
 
     def arrange(
-        self, backends: list[str], request: ChatCompletionRequest | CompletionRequest
+        self, backends: list[str], request: ChatCompletionRequest | CompletionRequest, record: bool = True
     ) -> tuple[list[str], AffinityChoice | None]:
-        """`backends` with the first one's replica group reordered for this request."""
+        """`backends` with the first one's replica group reordered for this request; `record`
+        False only asks (an operator's explain): the prefix index is left as it was."""
         group = self.group_of.get(backends[0]) if backends and self.settings.enabled else None
         if group is None:
             return backends, None
@@ -145,7 +203,7 @@ class Affinity:
         for name in members:
             b = self.registry.get(name)
             healthy[name] = b is not None and b.healthy
-            loads[name] = int(getattr(b, "in_flight", 0) or 0)
+            loads[name] = b.load().batch if b is not None else 0
         keyed = session_key(request, self.settings.prompt_chars)
         if keyed is None:
             source, home = "none", None
@@ -156,11 +214,37 @@ class Affinity:
             ring = [n for n in self.rings[group].walk(keyed[1]) if n in present]
             home = next((n for n in ring if healthy[n]), ring[0])
         up = [n for n in ring if healthy[n]]
-        chosen = (
-            bounded_pick(up, loads, self.settings.load_factor, self.settings.spill_after)
-            if up and keyed
-            else (up or ring)[0]
-        )
+        prefix: PrefixChoice | None = None
+        blocks: list[int] | None = None
+        text_chars: int | None = None
+        if self.settings.mode == "prefix" and up:
+            st = self.settings
+            text = prompt_text(request)
+            text_chars = len(text)
+            blocks = prompt_blocks(text, st.block_chars, st.max_prompt_blocks)
+            prefix = choose(
+                up,
+                self.index[group].match(blocks, up),
+                loads,
+                len(blocks),
+                block_chars=st.block_chars,
+                min_match_blocks=st.min_match_blocks,
+                load_factor=st.load_factor,
+                spill_after=st.spill_after,
+                chars_per_token=st.chars_per_token,
+                tokens_per_request=st.tokens_per_request,
+            )
+            chosen = prefix.chosen
+            # Where it goes now is where its blocks will be: the next request of the family sees
+            # them at once (corrected when the replica reports what it had cached).
+            if record:
+                self.index[group].record(chosen, blocks)
+        else:
+            chosen = (
+                bounded_pick(up, loads, self.settings.load_factor, self.settings.spill_after)
+                if up and keyed
+                else (up or ring)[0]
+            )
         ordered = [
             chosen,
             *(n for n in up if n != chosen),
@@ -168,4 +252,41 @@ class Affinity:
         ]
         slots = iter(ordered)  # the group's members take the positions they held in the route
         arranged = [next(slots) if self.group_of.get(n) == group else n for n in backends]
-        return arranged, AffinityChoice(group, source, home, chosen)
+        choice = AffinityChoice(group, source, home, chosen)
+        if prefix is not None:
+            choice.matched_blocks = prefix.matched_blocks
+            choice.best_matched_blocks = prefix.best_matched_blocks
+            choice.prefix_reason = prefix.reason
+            choice.prompt_chars = text_chars
+            choice.blocks = blocks
+        return arranged, choice
+
+    def observe(self, route: RouteDecision, cached_tokens: int | None, prompt_tokens: int | None) -> None:
+        """After the request. A failover moved its prompt from the chosen replica to the one that
+        served: the index says so. Otherwise the cached tokens the replica reports check what the
+        index matched for it: fewer (by more than a block of slack: block edges and the chat
+        template blur the count) means it had evicted what the index believed it held, so the
+        index believes it keeps fewer blocks from now on; as many lets that belief grow back."""
+        affinity, blocks, served = route.affinity, route.prefix_blocks, route.backend
+        if affinity is None or not blocks or served is None:
+            return
+        index = self.index.get(str(affinity.get("group")))
+        if index is None or served not in self.group_of:
+            return
+        chosen = affinity.get("chosen")
+        predicted = int(affinity.get("matched_blocks") or 0)
+        if served != chosen:
+            if isinstance(chosen, str):
+                index.correct(chosen, blocks, predicted)  # it never got the blocks past its match
+            index.record(served, blocks)
+            return
+        chars = affinity.get("prompt_chars") or 0
+        if cached_tokens is None or not prompt_tokens or not chars or not predicted:
+            return
+        cached_chars = cached_tokens * chars / prompt_tokens
+        cached_blocks = min(len(blocks), int(cached_chars) // self.settings.block_chars)
+        if cached_blocks + 1 < predicted:
+            index.shrink(served, floor=len(blocks))
+            index.record(served, blocks)  # it holds this prompt now, having prefilled it
+        else:
+            index.confirm(served)

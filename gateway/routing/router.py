@@ -23,9 +23,9 @@ from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionR
 from specgate.gateway.routing.affinity import Affinity
 from specgate.gateway.routing.request_info import request_info
 from specgate.gateway.settings import Settings
-from specgate.policies.arms import OFF, UPSTREAM, Arm
+from specgate.policies.arms import OFF, Arm
 from specgate.policies.classifier import Classification, WorkloadClassifier
-from specgate.policies.decision import Decision, DecisionContext
+from specgate.policies.decision import Decision, DecisionContext, Slo
 from specgate.policies.features import request_features
 from specgate.policies.load import Load
 
@@ -77,14 +77,27 @@ class Router:
         self.allowed = allowed_methods(settings)
         self.affinity = Affinity(settings, registry)
 
-    def route(self, request: Request, load: Load) -> RouteDecision:
-        """`load`: the load at the request's arrival, the same one its record keeps."""
-        return self.plan(request, load).route
+    def route(self, request: Request, load: Load, slo: Slo | None = None) -> RouteDecision:
+        """`load`: the load at the request's arrival, the same one its record keeps; `slo`: its
+        latency targets."""
+        return self.plan(request, load, slo=slo).route
 
-    def plan(self, request: Request, load: Load, explore: bool = True) -> Plan:
+    def admit(self, route: RouteDecision) -> None:
+        """429 where no arm is predicted to meet the request's latency targets and the operator
+        refuses those (checked after the route is kept, so the refused request's row has it)."""
+        if route.slo_miss and self.settings.slo.reject:
+            raise GatewayError(
+                429,
+                "no backend is predicted to serve this request within its latency targets now",
+                code="slo_unattainable",
+                retry_after=self.settings.retry_after_seconds,
+            )
+
+    def plan(self, request: Request, load: Load, explore: bool = True, slo: Slo | None = None) -> Plan:
         names, why = candidate_backends(self.settings, self.registry, request.model)
         if self.policy is None:
-            names, choice = self.affinity.arrange(names, request)
+            names, choice = self.affinity.arrange(names, request, record=explore)
+            slo_dict = slo.as_dict() if slo is not None else None
             spec, policy, reason = self._speculation(request, None, STATIC, why, why)
             route = RouteDecision(
                 model=request.model,
@@ -93,24 +106,45 @@ class Router:
                 policy=policy,
                 reason=reason,
                 affinity=choice.as_dict() if choice is not None else None,
+                prefix_blocks=choice.blocks if choice is not None else None,
+                slo=slo_dict,
             )
             return Plan(route, load)
-        return self._policy_plan(self.policy, request, load, names, why, explore)
+        return self._policy_plan(self.policy, request, load, names, why, explore, slo)
 
     def arms(self, names: list[str]) -> list[Arm]:
+        """The arms of the candidate backends, in their order: the embedded engine's per method;
+        one per external backend or replica group (affinity picks the replica inside it), of the
+        kind its speculation makes it."""
         out: list[Arm] = []
         embedded = self.registry.embedded
+        pools: set[str] = set()
         for name in names:
             if embedded is not None and name == embedded.name:
                 out.append(Arm(name, OFF))
                 out.extend(Arm(name, m) for m in self.settings.policy.methods if m in embedded.methods)
-            else:
-                out.append(Arm(name, UPSTREAM))
+                continue
+            pool = self.registry.group_of.get(name, name)
+            if pool not in pools:
+                pools.add(pool)
+                out.append(Arm.upstream(pool, self.registry.pool_speculation(pool)))
         return out
 
+    def pool_members(self, pool: str, names: list[str]) -> list[str]:
+        """The candidates an arm's backend name stands for: a replica group's members, or itself."""
+        return [n for n in names if self.registry.group_of.get(n, n) == pool]
+
     def _policy_plan(
-        self, policy: RoutingPolicy, request: Request, load: Load, names: list[str], why: str, explore: bool
+        self,
+        policy: RoutingPolicy,
+        request: Request,
+        load: Load,
+        names: list[str],
+        why: str,
+        explore: bool,
+        slo: Slo | None,
     ) -> Plan:
+        asking = not explore  # an operator's explain: nothing may change, the prefix index included
         info = request_info(request)
         cls = policy.classifier.classify(info)
         features = request_features(info, cls.probs)
@@ -119,13 +153,16 @@ class Router:
         # A seeded request is never explored: the same seed must give the same answer, and a
         # speculative arm draws its random numbers differently from plain sampling.
         explore = explore and request.seed is None
-        decision = manager.decide(DecisionContext(cls.label, cls.confidence, features, load, arms), explore)
+        decision = manager.decide(
+            DecisionContext(cls.label, cls.confidence, features, load, arms, slo), explore
+        )
         arm = decision.arm
-        backends = [arm.backend, *(n for n in names if n != arm.backend)]
-        # The policy picks a backend; among its replicas, the conversation's own goes first.
-        backends, choice = self.affinity.arrange(backends, request)
+        members = self.pool_members(arm.backend, names) or [arm.backend]
+        backends = [*members, *(n for n in names if n not in members)]
+        # The policy picks a pool; among its replicas, affinity picks the one for this request.
+        backends, choice = self.affinity.arrange(backends, request, record=not asking)
         chosen: SpecParams | None = None
-        if arm.method != UPSTREAM:
+        if not arm.external:
             chosen = SpecParams(
                 method=arm.method if arm.speculative else OFF,
                 controller=decision.controller,
@@ -142,13 +179,20 @@ class Router:
             policy=label,
             policy_version=None if manager.version is None else str(manager.version),
             reason=reason,
-            features={**features, **load.features()},
+            # The request's features and every candidate's load (the arm models read their own).
+            features={**features, **load.features({a.backend for a in arms})},
             workload_class=cls.label,
             class_confidence=round(cls.confidence, 4),
             explored=decision.explored,
             predictions=decision.predictions,
             propensity=decision.propensity if label not in ("request", "route") else None,
             affinity=choice.as_dict() if choice is not None else None,
+            prefix_blocks=choice.blocks if choice is not None else None,
+            chosen_arm=arm.key,
+            slo=slo.as_dict() if slo is not None else None,
+            slo_headroom=None if decision.slo_headroom is None else round(decision.slo_headroom, 4),
+            slo_miss=decision.slo_miss,
+            pools={n: a.key for a in arms if a.external for n in self.pool_members(a.backend, names)},
         )
         return Plan(route, load, decision, cls, arms)
 

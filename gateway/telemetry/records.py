@@ -35,7 +35,10 @@ class RequestRecord:
     completion_tokens: int | None = None
     # Prompt tokens served from the backend's prefix cache; None when the backend does not say.
     cached_tokens: int | None = None
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # None: unknown (see Observation.first_token_time)
+    # Time per output token as the backend measured it (a non-streamed external call); None: taken
+    # from first_token_time and finished_time, or unknown.
+    backend_tpot_ms: float | None = None
     finished_time: float | None = None
     queue_time_ms: float | None = None
     attempts: int = 0
@@ -75,10 +78,28 @@ class RequestRecord:
 
     @property
     def tpot_ms(self) -> float | None:
+        if self.backend_tpot_ms is not None:
+            return self.backend_tpot_ms
         n = self.completion_tokens or 0
         if self.first_token_time is None or self.finished_time is None or n < 2:
             return None
         return (self.finished_time - self.first_token_time) * 1e3 / (n - 1)
+
+    @property
+    def slo_met(self) -> bool | None:
+        """Whether the request met its latency targets (None: it had none, or a latency it had a
+        target for is unknown, or it did not finish)."""
+        slo = self.route.slo if self.route is not None else None
+        if not slo or self.outcome != "ok":
+            return None
+        met = True
+        for target, value in ((slo.get("ttft_ms"), self.ttft_ms), (slo.get("tpot_ms"), self.tpot_ms)):
+            if target is None:
+                continue
+            if value is None:
+                return None
+            met = met and value <= target
+        return met
 
     @property
     def tokens_per_s(self) -> float | None:

@@ -29,6 +29,9 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
     load = rec.load if rec.load is not None and rec.load.engine else None
     in_flight = rec.load.backends.get(rec.backend) if rec.load is not None and rec.backend else None
     affinity = route.get("affinity") or {}
+    slo = route.get("slo") or {}
+    # The batch the serving backend's arm joined: an external one's, or the engine's.
+    batch = rec.load.batch_of(rec.backend) if rec.load is not None and rec.backend else None
     return {
         "request_id": rec.request_id,
         "client_request_id": rec.client_request_id,
@@ -81,6 +84,11 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "mean_draft_nodes": spec.get("mean_draft_nodes"),
         "grammar": rec.grammar,
         "num_forced_draft_tokens": spec.get("num_forced_draft_tokens"),
+        "slo_ttft_ms": slo.get("ttft_ms"),
+        "slo_tpot_ms": slo.get("tpot_ms"),
+        "slo_met": rec.slo_met,
+        "load_backend_batch": batch,
+        "prefix_matched_blocks": affinity.get("matched_blocks"),
         "propensity": route.get("propensity"),
         "affinity_group": affinity.get("group"),
         "affinity_source": affinity.get("source"),

@@ -98,6 +98,16 @@ requests = Table(
     # request speculated).
     Column("grammar", String(16)),
     Column("num_forced_draft_tokens", Integer),
+    # Latency targets (x-slo-* headers or the key's defaults) and whether they were met (NULL: no
+    # target, or a latency unknown).
+    Column("slo_ttft_ms", Float),
+    Column("slo_tpot_ms", Float),
+    Column("slo_met", Boolean),
+    # The serving backend's requests running and waiting as the router saw them (its /metrics, else
+    # this gateway's requests in flight there).
+    Column("load_backend_batch", Integer),
+    # Prefix affinity: the prompt blocks the index believed the chosen replica held.
+    Column("prefix_matched_blocks", Integer),
     # The probability the routing policy had of choosing the arm it chose (off-policy evaluation).
     Column("propensity", Float),
     # Replica affinity (routing/affinity.py): the replica group, what keyed the conversation

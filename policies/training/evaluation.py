@@ -65,7 +65,7 @@ def replay(policy: Policy, rows: Sequence[TrainingRow], arm_keys: Sequence[str])
 
 def prediction_error(model: GoodputModel, rows: Sequence[TrainingRow]) -> float | None:
     errs = [
-        (model.arms[r.arm].predict_log(vector(r.features))[0] - math.log(r.tokens_per_s)) ** 2
+        (model.arms[r.arm].predict_log(vector(r.features, r.arm))[0] - math.log(r.tokens_per_s)) ** 2
         for r in rows
         if r.arm in model.arms
     ]

@@ -72,7 +72,7 @@ def reward_model(model: GoodputModel | None, rows: Sequence[TrainingRow]) -> Rew
 
     def predict(row: TrainingRow, arm: str) -> float:
         if model is not None and arm in model.arms:
-            return math.exp(model.arms[arm].predict_log(vector(row.features))[0])
+            return math.exp(model.arms[arm].predict_log(vector(row.features, arm))[0])
         return means.get(arm, overall)
 
     return predict

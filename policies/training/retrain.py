@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.policies.crossover import pool_crossovers
 from specgate.policies.decision import Policy
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel, TrainingRow
@@ -98,9 +99,13 @@ def retrain(
     arm_keys = sorted(counts)
     cost = StepCost.fit(steps) or current.step_cost
     candidate = PolicyState(
-        rules, GoodputModel.fit(train, rules.min_arm_rows), acceptance_priors(train), cost
+        rules,
+        GoodputModel.fit(train, rules.min_arm_rows),
+        acceptance_priors(train),
+        cost,
+        pool_crossovers(train),
     )
-    current = PolicyState(rules, current.model, current.priors, current.step_cost)
+    current = PolicyState(rules, current.model, current.priors, current.step_cost, current.crossovers)
     cand = _evaluate(candidate, holdout, arm_keys)
     cur = _evaluate(current, holdout, arm_keys)
     need = max(5, int(0.05 * len(holdout)))
@@ -137,7 +142,13 @@ def retrain(
         promote, reason = True, f"replay goodput {cand.value:.2f} > current {cur.value:.2f} tok/s"
     else:
         promote, reason = False, f"replay goodput {cand.value or 0:.2f} <= current {cur.value:.2f} tok/s"
-    final = PolicyState(rules, GoodputModel.fit(rows, rules.min_arm_rows), acceptance_priors(rows), cost)
+    final = PolicyState(
+        rules,
+        GoodputModel.fit(rows, rules.min_arm_rows),
+        acceptance_priors(rows),
+        cost,
+        pool_crossovers(rows),
+    )
     return RetrainResult(
         final,
         len(rows),

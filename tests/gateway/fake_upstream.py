@@ -10,6 +10,13 @@ or an SSE stream when the request says `stream: true`) unless a test scripted th
 It records every POST it receives (`fake.received`: path, headers, JSON body) and counts the
 health probes (`fake.probes`). It can be stopped and started again on the same port.
 
+GET /metrics answers 404 (as any unknown path) unless a test sets what it serves:
+
+    fake.metrics_text = "vllm:num_requests_running 3\n..."  # 200, text/plain
+    fake.metrics_reply = Reply.hang()  # or Reply.error(500), Reply.raw(...), Reply.drop(): wins over the text
+
+and counts the scrapes (`fake.scrapes`).
+
 It is a small HTTP/1.1 server over asyncio streams and h11 rather than an ASGI app, so that it can
 misbehave at the socket level the way real servers do: close the connection before sending a
 single byte, or in the middle of a chunked stream.
@@ -126,6 +133,10 @@ class FakeUpstream:
         self.models_status = 200  # what GET /v1/models answers
         self.received: list[Received] = []
         self.probes = 0
+        # GET /metrics: None answers 404, as before metrics existed; `metrics_reply` wins over the text.
+        self.metrics_text: str | None = None
+        self.metrics_reply: Reply | None = None
+        self.scrapes = 0
         self._script: deque[Reply] = deque()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,6 +171,7 @@ class FakeUpstream:
             self._script.clear()
             self.received.clear()
         self.models_status = 200
+        self.metrics_text = self.metrics_reply = None
 
     def posts(self, path: str | None = None) -> list[Received]:
         with self._lock:
@@ -248,6 +260,9 @@ class FakeUpstream:
             data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
             await _send_json(conn, writer, self.models_status, {"object": "list", "data": data})
             return True
+        if method == "GET" and path == "/metrics" and (self.metrics_reply or self.metrics_text) is not None:
+            self.scrapes += 1
+            return await self._metrics(conn, writer)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
             await _send_json(conn, writer, 404, _error_body("not found", "not_found_error"))
             return True
@@ -290,6 +305,42 @@ class FakeUpstream:
         if body.get("stream"):
             return await self._stream(conn, writer, body, chat, reply)
         await _send_json(conn, writer, 200, self._completion(body, chat, reply))
+        return True
+
+    async def _metrics(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> bool:
+        """GET /metrics as set: the scripted reply (hang, drop, error or raw), else the text."""
+        reply = self.metrics_reply
+        if reply is None:
+            raw = (self.metrics_text or "").encode()
+            headers = [("content-type", "text/plain; version=0.0.4"), ("content-length", str(len(raw)))]
+            writer.write(conn.send(h11.Response(status_code=200, headers=headers)))
+            writer.write(conn.send(h11.Data(data=raw)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            return True
+        if reply.kind == "hang":
+            assert self._release is not None
+            await self._release.wait()
+            return False
+        if reply.kind == "drop":
+            writer.transport.abort()
+            return False
+        if reply.kind == "raw":
+            writer.write(conn.send(h11.Response(status_code=reply.status, headers=reply.headers)))
+            while True:
+                for part in reply.chunks:
+                    if part:
+                        writer.write(conn.send(h11.Data(data=part)))
+                    await writer.drain()
+                    if reply.every:
+                        await asyncio.sleep(reply.every)
+                if not reply.forever:
+                    break
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            return True
+        err = _error_body(reply.message, reply.type, reply.code, reply.param)
+        await _send_json(conn, writer, reply.status if reply.kind == "error" else 500, err)
         return True
 
     def _pieces(self, reply: Reply) -> list[str]:
@@ -367,7 +418,13 @@ class FakeUpstream:
             last.update(reply.extra)
             await _send_event(conn, writer, last)
             if (body.get("stream_options") or {}).get("include_usage"):
-                tail = {"id": "fake-1", "object": obj, "created": 1700000000, "model": model, "choices": []}
+                tail: dict[str, Any] = {
+                    "id": "fake-1",
+                    "object": obj,
+                    "created": 1700000000,
+                    "model": model,
+                    "choices": [],
+                }
                 tail["usage"] = {**_usage(len(pieces)), **reply.usage}
                 await _send_event(conn, writer, tail)
             await _send_data(conn, writer, b"[DONE]")

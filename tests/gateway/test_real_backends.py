@@ -11,21 +11,18 @@ opens, then starts it again on the same port and checks that the breaker closes.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from specgate.engine.loader import default_model_source
 from specgate.gateway.settings import ModelRoute
 from tests.gateway.fake_upstream import HTTP, backend, metric_value, openai_client, running_gateway
-from tests.gateway.live import LiveGateway, free_port, readiness, start_gateway, tiny_settings, wait_for
+from tests.gateway.live import LiveGateway, readiness, start_gateway, tiny_settings, wait_for
+from tests.gateway.llama_servers import LlamaServer
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is a dev dependency")
 
@@ -34,88 +31,6 @@ pytestmark = pytest.mark.timeout(120)
 LLAMA = "smollm2"
 SHARED = "shared"
 COOLDOWN = 1.0  # breaker cooldown of the front's backends
-
-
-class LlamaServer:
-    """llama-cpp-python's server in a subprocess on a fixed port; can be killed and started again."""
-
-    def __init__(self, log_dir: Path) -> None:
-        source = default_model_source()
-        assert source.gguf_file is not None
-        self.gguf = source.directory / source.gguf_file
-        self.port = free_port()
-        self.log = log_dir / "llama-server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self, timeout: float = 90.0) -> None:
-        self.spawn()
-        self.wait_ready(timeout)
-
-    def spawn(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(self.gguf),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--model_alias",
-            LLAMA,
-            "--n_threads",
-            "1",
-            "--n_ctx",
-            "2048",
-            # Prompts evaluated a token at a time: llama.cpp's batched CPU path, built for this
-            # machine's units, segfaults on this GGUF's multi-token prompts on some CPUs (seen with
-            # llama-cpp-python 0.3.36 on a Xeon with AMX-INT8); one token per decode never did,
-            # and the prompts here are short.
-            "--n_batch",
-            "1",
-        ]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"llama.cpp server did not come up: {self.tail()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
 
 @pytest.fixture(scope="module")

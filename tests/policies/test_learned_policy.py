@@ -79,7 +79,7 @@ def test_arm_model_matches_sklearn_posterior() -> None:
     rows = synth.rows(300, seed=5)
     arm_rows = [r for r in rows if r.arm == "embedded:ngram"]
     m = GoodputModel.fit(rows, 20).arms["embedded:ngram"]
-    x = np.stack([vector(r.features) for r in arm_rows])
+    x = np.stack([vector(r.features, r.arm) for r in arm_rows])
     z = (x - m.mean) / m.scale
     br = BayesianRidge().fit(z, np.log([r.tokens_per_s for r in arm_rows]))
     mu, std = br.predict(z[:5], return_std=True)
@@ -156,7 +156,7 @@ def test_thin_data_keeps_the_rules_arm_and_strong_data_leaves_it() -> None:
     # The rules take n-gram for qa; plain decoding is truly 15% faster here.
     thin = GoodputModel.fit(_qa_rows(6, off_gain=1.15, noise=0.4, seed=2), min_arm_rows=5)
     c = ctx("qa")
-    preds = {a: thin.predict(a, c.model_input()) for a in ("embedded:off", "embedded:ngram")}
+    preds = {a: thin.predict(a, c.model_input(c.arms[0])) for a in ("embedded:off", "embedded:ngram")}
     assert preds["embedded:off"].log_mean > preds["embedded:ngram"].log_mean  # the model leans to off
     lead = preds["embedded:off"].log_mean - preds["embedded:ngram"].log_mean
     error = math.hypot(preds["embedded:off"].mean_std, preds["embedded:ngram"].mean_std)
@@ -173,7 +173,8 @@ def test_the_spread_of_the_mean_narrows_with_rows_and_the_predictive_one_does_no
     c = ctx("qa")
     spreads = []
     for per_arm in (8, 80, 800):
-        p = GoodputModel.fit(_qa_rows(per_arm, 1.0, 0.3, seed=4), 5).predict("embedded:off", c.model_input())
+        model = GoodputModel.fit(_qa_rows(per_arm, 1.0, 0.3, seed=4), 5)
+        p = model.predict("embedded:off", c.model_input(c.arms[0]))
         spreads.append((p.mean_std, p.log_std))
     assert spreads[0][0] > 2 * spreads[1][0] > 4 * spreads[2][0] > 0
     assert all(0.2 < log_std < 0.45 for _, log_std in spreads)  # the noise (0.3) stays
@@ -196,7 +197,7 @@ def test_a_feature_constant_in_training_moves_neither_prediction_nor_spread(mode
     # The synthetic rows hold the live step time and batch tokens at 0 (machine-dependent); a live
     # gateway reports real values. Those must not make the model unsure (it once kept the rules'
     # arm on one machine and not another, by the step time the test gateway happened to report).
-    base = ctx("code").model_input()
+    base = ctx("code").model_input(ctx("code").arms[0])
     for value in (1.0, 3.0, 50.0):
         live = dict(base, load_log_step_ms=value, load_log_batch_tokens=value)
         for arm in ("embedded:off", "embedded:ngram"):

@@ -72,7 +72,9 @@ def test_external_backend_decides_its_own_speculation_and_unhealthy_ones_are_ski
 
 def test_backend_order_is_kept_unless_routing_across_backends_is_on() -> None:
     arms = [Arm("vllm", "upstream"), *EMBEDDED]
-    explorer = RulePolicy(RuleConfig(exploration_rate=1.0, exploration_cap=1.0), seed=0)
+    explorer = RulePolicy(
+        RuleConfig(exploration_rate=1.0, exploration_cap=1.0, across_backends=False), seed=0
+    )
     assert {explorer.decide(ctx("code", arms=arms)).arm.key for _ in range(50)} == {"vllm:upstream"}
     across = RulePolicy(RuleConfig(exploration_rate=0.5, exploration_cap=1.0, across_backends=True), seed=0)
     picks = {across.decide(ctx("code", arms=arms)).arm.backend for _ in range(50)}

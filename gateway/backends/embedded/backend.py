@@ -74,7 +74,8 @@ class EmbeddedBackend:
     def load(self) -> BackendLoad:
         """In flight: this process's requests in the engine (its batch and queue: `Load` has them)."""
         client = self.client
-        return BackendLoad(sum(client.in_engine.values()) if client is not None else 0, None, self.healthy)
+        n = sum(client.in_engine.values()) if client is not None else 0
+        return BackendLoad(n, None, self.healthy, external=False)
 
     def status(self) -> dict[str, Any]:
         w = self.client

@@ -42,7 +42,9 @@ from specgate.gateway.backends.upstream.client import (
     UpstreamClient,
     UpstreamResponse,
 )
+from specgate.gateway.backends.upstream.scrape import ScrapedLoad, ScrapeError, parse_metrics
 from specgate.gateway.backends.upstream.stats import capture
+from specgate.gateway.limits.limiters import Concurrency
 from specgate.gateway.protocol import json_codec
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.settings import BackendSettings
@@ -55,10 +57,42 @@ _DROP = ("spec",)  # specgate's own request extensions are not forwarded
 
 
 LATENCY_EWMA = 0.2  # weight of the newest response in the latency average
+MAX_METRICS_BYTES = 4 * 2**20
+# A scrape older than this many health intervals no longer stands for the backend's load.
+STALE_INTERVALS = 3.0
+
+
+class InFlight:
+    """Requests this gateway has in flight at one backend: this process's count, or with `serve
+    --workers N` the sum over every worker (shared memory: each worker's share alone would make a
+    busy replica look idle to N-1 of them)."""
+
+    __slots__ = ("_key", "_local", "_shared")
+
+    def __init__(self, name: str, shared: Concurrency | None) -> None:
+        self._local = 0
+        self._shared = shared
+        self._key = f"\x00backend\x00{name}"
+
+    def enter(self) -> None:
+        self._local += 1
+        if self._shared is not None:
+            self._shared.acquire(self._key, 0)
+
+    def leave(self) -> None:
+        self._local -= 1
+        if self._shared is not None:
+            self._shared.release(self._key)
+
+    @property
+    def count(self) -> int:
+        return self._shared.count(self._key) if self._shared is not None else self._local
 
 
 class OpenAIBackend:
-    def __init__(self, settings: BackendSettings, client: UpstreamClient) -> None:
+    def __init__(
+        self, settings: BackendSettings, client: UpstreamClient, shared: Concurrency | None = None
+    ) -> None:
         self.settings = settings
         self.name = settings.name
         self.external = True
@@ -66,7 +100,15 @@ class OpenAIBackend:
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown)
         self.discovered: list[str] = []
         self.probe_ok: bool | None = None
-        self.in_flight = 0
+        self._in_flight = InFlight(settings.name, shared)
+        # Its /metrics: the last good snapshot and when it was read, and why the last scrape failed.
+        self.scraped: ScrapedLoad | None = None
+        self.scraped_at = 0.0  # time.monotonic()
+        self.scrape_error: str | None = None
+        # Speculation counters at the previous good scrape: deltas give the recent acceptance.
+        self._spec_prev: tuple[float, float] | None = None
+        self.acceptance_length: float | None = None
+        self.drafts_seen = False  # its counters have counted drafts: it speculates
         # Time to response headers, smoothed: the routing policy's view of this backend's latency.
         self.latency_ewma_ms: float | None = None
         self._probe_task: asyncio.Task[None] | None = None
@@ -84,10 +126,41 @@ class OpenAIBackend:
     def healthy(self) -> bool:
         return self.breaker.state != "open" and self.probe_ok is not False
 
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight.count
+
+    @property
+    def speculation(self) -> str | None:
+        """How it speculates: the declared method, "on" where its metrics show drafts but no
+        method is declared, None where it does not (or is not known to)."""
+        declared = self.settings.speculative
+        if declared == "auto":
+            return "on" if self.drafts_seen else None
+        return None if declared == "off" else declared
+
+    def fresh_scrape(self) -> ScrapedLoad | None:
+        """The last scrape, if recent enough to stand for the backend's load now."""
+        if self.scraped is None or self.scrape_error is not None:
+            return None
+        horizon = STALE_INTERVALS * max(self.settings.health_interval, 1.0)
+        return self.scraped if time.monotonic() - self.scraped_at <= horizon else None
+
     def load(self) -> BackendLoad:
-        return BackendLoad(self.in_flight, self.latency_ewma_ms, self.healthy)
+        snap = self.fresh_scrape()
+        return BackendLoad(
+            in_flight=self.in_flight,
+            latency_ewma_ms=self.latency_ewma_ms,
+            healthy=self.healthy,
+            running=None if snap is None else snap.running,
+            waiting=None if snap is None else snap.waiting,
+            kv_usage=None if snap is None else snap.kv_usage,
+            speculative=self.speculation is not None,
+            acceptance_length=None if snap is None else self.acceptance_length,
+        )
 
     def status(self) -> dict[str, Any]:
+        snap = self.fresh_scrape()
         return {
             "healthy": self.healthy,
             "breaker": self.breaker.state,
@@ -95,6 +168,21 @@ class OpenAIBackend:
             "in_flight": self.in_flight,
             "latency_ewma_ms": None if self.latency_ewma_ms is None else round(self.latency_ewma_ms, 2),
             "models": self.model_ids(),
+            "replica_group": self.settings.replica_group,
+            "speculation": self.speculation,
+            "metrics": {
+                "enabled": self.settings.scrape_metrics,
+                "url": self.settings.metrics_endpoint,
+                # What the router uses: the backend's own counts, or this gateway's in-flight count
+                # where its scrape failed, lied, or is stale.
+                "load_source": snap.source if snap is not None else "gateway",
+                "error": self.scrape_error,
+                "age_s": round(time.monotonic() - self.scraped_at, 1) if self.scraped is not None else None,
+                "running": None if snap is None else snap.running,
+                "waiting": None if snap is None else snap.waiting,
+                "kv_usage": None if snap is None else snap.kv_usage,
+                "acceptance_length": None if snap is None else self.acceptance_length,
+            },
         }
 
     async def start(self) -> None:
@@ -114,6 +202,56 @@ class OpenAIBackend:
         while True:
             await asyncio.sleep(self.settings.health_interval)
             await self.probe()
+            if self.settings.scrape_metrics:
+                await self.scrape()
+
+    async def scrape(self) -> bool:
+        """GET its /metrics: its load for routing. A failure, or values that cannot be true, leave
+        the router on this gateway's own counts and say why in `status()`."""
+        s = self.settings
+        try:
+            async with asyncio.timeout(s.connect_timeout + max(s.health_interval, 1.0)):
+                r = await self.client.send(
+                    "GET", s.metrics_endpoint, headers=self._headers, timeout=self._timeout
+                )
+                try:
+                    if r.status_code >= 400:
+                        raise ScrapeError(f"answered {r.status_code}")
+                    raw = await read_capped(r, MAX_METRICS_BYTES)
+                finally:
+                    await r.aclose()
+            # Parsing a large exposition is CPU work: off the event loop.
+            snap = await asyncio.to_thread(parse_metrics, raw.decode("utf-8", "replace"))
+        except ScrapeError as exc:
+            return self._scrape_failed(str(exc))
+        except Malformed as exc:
+            return self._scrape_failed(str(exc))
+        except Exception as exc:  # unreachable, timed out, cut off
+            detail = str(exc)[:120]
+            return self._scrape_failed(f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)
+        self._note_spec(snap)
+        self.scraped, self.scraped_at, self.scrape_error = snap, time.monotonic(), None
+        return True
+
+    def _scrape_failed(self, reason: str) -> bool:
+        if self.scrape_error != reason:
+            logger.warning("backend %s: its /metrics were not used: %s", self.name, reason[:200])
+        self.scrape_error = reason[:200]
+        return False
+
+    def _note_spec(self, snap: ScrapedLoad) -> None:
+        drafts, accepted = snap.spec_drafts, snap.spec_accepted_tokens
+        if snap.speculative:
+            self.drafts_seen = True
+        if snap.accept_length is not None:  # SGLang: a gauge of the mean, no counters
+            self.acceptance_length = round(snap.accept_length, 4)
+        if drafts is None or accepted is None:
+            self._spec_prev = None
+            return
+        prev, self._spec_prev = self._spec_prev, (drafts, accepted)
+        if prev is not None and drafts > prev[0] and accepted >= prev[1]:
+            # Tokens per verification step: the accepted drafts plus the target's own token.
+            self.acceptance_length = round(1.0 + (accepted - prev[1]) / (drafts - prev[0]), 4)
 
     async def probe(self) -> bool:
         """GET /models: marks the backend up or down and learns its models when none are configured."""
@@ -232,7 +370,8 @@ class OpenAIBackend:
             self.breaker.release(call)
 
     async def _complete(self, call: BackendCall) -> dict[str, Any]:
-        self.in_flight += 1
+        self._in_flight.enter()
+        sent = time.time()
         try:
             async with asyncio.timeout(self.settings.total_timeout):
                 response = await self._timed_send(call)
@@ -249,16 +388,20 @@ class OpenAIBackend:
         except Malformed as exc:
             raise self._broke_protocol(exc) from None
         finally:
-            self.in_flight -= 1
+            self._in_flight.leave()
         self.breaker.record_success()
         self.probe_ok = True  # it served a request: as good as a health probe
-        call.observed.first_token_time = time.time()
         capture(body, call.observed)
+        # The whole answer arrives at once: its first token's time is known only if the backend
+        # measured it (else None, and the record's TTFT and TPOT stay unknown rather than wrong).
+        if call.observed.backend_ttft is not None:
+            # Never later than the answer's arrival, whatever the backend claims.
+            call.observed.first_token_time = min(sent + call.observed.backend_ttft, time.time())
         body["model"] = call.model
         return body
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
-        self.in_flight += 1
+        self._in_flight.enter()
         response: UpstreamResponse | None = None
         s = self.settings
         deadline = time.monotonic() + s.total_timeout
@@ -303,6 +446,16 @@ class OpenAIBackend:
                 else:
                     chunk["model"] = call.model
                     yield chunk
+            if call.observed.finish_reason is None:
+                # An end with no finish reason is a stream cut short, not an answer: llama.cpp's
+                # Python server, for one, ends a running stream with [DONE] when another request
+                # arrives. Passing it on as complete would record a truncated answer as a success.
+                raise GatewayError(
+                    502,
+                    f"backend {self.name} ended the stream before the answer finished",
+                    code="incomplete_upstream_stream",
+                    retryable=True,
+                )
             self.breaker.record_success()
             self.probe_ok = True
         except TimeoutError:
@@ -318,7 +471,7 @@ class OpenAIBackend:
                 503, f"backend {self.name} failed mid-stream ({type(exc).__name__})", retryable=True
             ) from exc
         finally:
-            self.in_flight -= 1
+            self._in_flight.leave()
             self.breaker.release(call)
             if response is not None:
                 await response.aclose()

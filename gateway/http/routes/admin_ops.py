@@ -44,16 +44,27 @@ async def stats(
     return out
 
 
-@router.get("/backends", summary="Every backend: health, breaker, load, models")
+@router.get("/backends", summary="Every backend: health, breaker, load and its source, speculation, models")
 async def backends(svc: ServicesDep, _: AdminDep) -> dict[str, Any]:
     load = svc.load_signals()
     status = svc.registry.status()
+    reg = svc.registry
     return {
         "backends": [
             {"name": name, "models": _models(svc, name), **info, "policy_load": _backend_load(load, name)}
             for name, info in status.items()
         ],
-        "engine_load": load.features(),
+        # A replica group is one routing arm: its load is the mean over its healthy replicas.
+        "groups": [
+            {
+                "name": group,
+                "members": members,
+                "speculation": reg.pool_speculation(group),
+                "policy_load": _backend_load(load, group),
+            }
+            for group, members in reg.groups.items()
+        ],
+        "engine_load": load.engine_features(),
     }
 
 
@@ -65,8 +76,17 @@ def _models(svc: Services, name: str) -> list[str]:
 
 def _backend_load(load: Any, name: str) -> dict[str, Any] | None:
     b = load.backends.get(name)
-    return (
-        None
-        if b is None
-        else {"in_flight": b.in_flight, "latency_ewma_ms": b.latency_ewma_ms, "healthy": b.healthy}
-    )
+    if b is None:
+        return None
+    return {
+        "in_flight": b.in_flight,
+        "latency_ewma_ms": b.latency_ewma_ms,
+        "healthy": b.healthy,
+        "running": b.running,
+        "waiting": b.waiting,
+        "kv_usage": b.kv_usage,
+        "batch": b.batch,
+        "speculative": b.speculative,
+        "acceptance_length": b.acceptance_length,
+        "features": b.features() if b.external else None,
+    }

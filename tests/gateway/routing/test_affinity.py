@@ -12,6 +12,7 @@ import pytest
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing.affinity import Affinity, HashRing, bounded_pick, session_key
 from specgate.gateway.settings import BackendSettings, Settings
+from specgate.policies.load import BackendLoad
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -114,6 +115,9 @@ class FakeBackend:
     healthy: bool = True
     in_flight: int = 0
 
+    def load(self) -> BackendLoad:
+        return BackendLoad(self.in_flight, None, self.healthy)
+
 
 class FakeRegistry:
     def __init__(self, *backends: FakeBackend) -> None:
@@ -128,6 +132,8 @@ def affinity(registry: FakeRegistry, **overrides: Any) -> Affinity:
         return BackendSettings(name=name, base_url=f"http://127.0.0.1:9/{name}", replica_group=group)
 
     backends = [be(n, "pool") for n in REPLICAS] + [be("solo", None)]
+    # The session key's ring (today's hashing); prefix mode has tests of its own.
+    overrides.setdefault("mode", "session")
     settings = Settings(embedded={"enabled": False}, backends=backends, affinity=overrides)
     return Affinity(settings, registry)  # type: ignore[arg-type]
 
