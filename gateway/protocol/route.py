@@ -46,6 +46,8 @@ class RouteDecision:
     slo: dict[str, float] | None = None
     slo_headroom: float | None = None
     slo_miss: bool = False  # no arm was predicted to meet them
+    # Per external arm the policy weighed, its backend's batch (running + waiting) at the decision.
+    pool_batches: dict[str, int] = field(default_factory=dict)
 
     def served_by(self, backend: str, external: bool) -> None:
         self.backend, self.external = backend, external
@@ -87,6 +89,8 @@ class RouteDecision:
             out["chosen_arm"] = self.chosen_arm
         if self.affinity is not None:
             out["affinity"] = dict(self.affinity)
+        if self.pool_batches:
+            out["pool_batches"] = dict(self.pool_batches)
         if self.slo is not None:
             out["slo"] = dict(self.slo)
             out["slo_headroom"] = self.slo_headroom

@@ -193,6 +193,7 @@ class Router:
             slo_headroom=None if decision.slo_headroom is None else round(decision.slo_headroom, 4),
             slo_miss=decision.slo_miss,
             pools={n: a.key for a in arms if a.external for n in self.pool_members(a.backend, names)},
+            pool_batches={a.key: load.batch_of(a.backend) for a in arms if a.external},
         )
         return Plan(route, load, decision, cls, arms)
 

@@ -148,6 +148,13 @@ def test_the_route_lists_the_chosen_pools_members_first() -> None:
     d = route(r, chat(CODE, temperature=0))
     assert d.chosen_arm == "spec:upstream-ngram" and d.backends == ["spec", *REPLICAS]
     assert d.affinity is None and d.pools == pools
+    # Each pool's batch as the policy saw it: the group's is the mean over its replicas.
+    upstream(r, "spec")._in_flight.enter()
+    for _ in range(3):
+        upstream(r, "r0")._in_flight.enter()
+    d = route(r, chat(CODE, temperature=0))
+    assert d.pool_batches == {"spec:upstream-ngram": 1, "pool:upstream": 1}
+    assert d.as_dict()["pool_batches"] == d.pool_batches
 
     # The configured first backend down: the group is the arm.
     r = make_router(be("solo"), *(be(n, "pool") for n in REPLICAS))
