@@ -177,7 +177,10 @@ class Services:
         route = record.route
         if route is not None and route.prefix_blocks:
             try:
-                self.router.affinity.observe(route, record.cached_tokens, record.prompt_tokens)
+                if record.outcome == "ok":
+                    self.router.affinity.observe(route, record.cached_tokens, record.prompt_tokens)
+                else:
+                    self.router.affinity.undo(route)
             except Exception:  # nor may the prefix index's
                 logger.exception("updating the prefix index for %s failed", record.request_id)
             # Up to max_prompt_blocks hashes: not worth keeping with every recent record.

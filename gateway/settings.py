@@ -194,8 +194,9 @@ class AffinitySettings(BaseModel):
     prompt_chars: int = Field(512, ge=16, le=65536)
     # prefix: a request goes to the replica that (by where this gateway sent earlier prompts, checked
     # against the cached_tokens replicas report) holds the longest part of its prompt in its prefix
-    # cache, traded against load (routing/prefix_index.py); the session key's replica when none
-    # holds enough of it. session: the session key alone (the `user` field or leading messages).
+    # cache, traded against load (routing/prefix_index.py); the least loaded when none holds enough
+    # of it (the session key's replica among equals). session: the session key alone (the `user`
+    # field or leading messages).
     mode: Literal["prefix", "session"] = "prefix"
     block_chars: int = Field(256, ge=8, le=4096)  # prompt characters per hashed block (~64 tokens)
     # A match shorter than this many blocks counts for nothing: a short preamble every request

@@ -40,7 +40,7 @@ def safe_arms(
 
     `crossovers`: per class and external speculative arm (`<class>:<arm>`), the batch (its backend's
     requests running and waiting) from which its measured TPOT is no better than the plain pools'
-    (retrain measures it); without one, the rules' `max_batch_for_spec` on its own backend's batch."""
+    (retrain measures it); without one, nothing (the learned policy weighs its load meanwhile)."""
     why: list[str] = []
     healthy = [
         a
@@ -59,7 +59,7 @@ def safe_arms(
         arms = [a for a in arms if a.external or not a.speculative or a.method in rules.structured_methods]
         if len(arms) < len(healthy):
             why.append("structured output: only " + ", ".join(rules.structured_methods) + " may speculate")
-    arms = _external_crossover(ctx, rules, arms, crossovers or {}, why)
+    arms = _external_crossover(ctx, arms, crossovers or {}, why)
     embedded = [a for a in arms if not a.external]
     if cost is not None:
         paying = [a for a in embedded if not a.speculative or best_k(ctx, rules, cost, priors or {}, a) > 0]
@@ -79,10 +79,11 @@ def safe_arms(
 
 
 def _external_crossover(
-    ctx: DecisionContext, rules: RuleConfig, arms: list[Arm], crossovers: dict[str, float], why: list[str]
+    ctx: DecisionContext, arms: list[Arm], crossovers: dict[str, float], why: list[str]
 ) -> list[Arm]:
-    """Without the speculative external pools whose own batch is past their crossover, as long as a
-    pool that does not speculate remains (a speculative pool past its crossover is still a server)."""
+    """Without the speculative external pools whose own batch is past their class's measured
+    crossover, as long as a pool that does not speculate remains (a speculative pool past its
+    crossover is still a server)."""
     if not any(a.external and not a.speculative for a in arms):
         return arms
     past: dict[Arm, str] = {}
@@ -91,12 +92,12 @@ def _external_crossover(
             continue
         batch = ctx.load.batch_of(a.backend)
         # Per class only: a line over all classes mixes copyable prompts with prose, and its
-        # crossover (often 0) would switch the pool off for the classes where it pays most.
+        # crossover (often 0) would switch the pool off for the classes where it pays most. No
+        # constant stands in before one is measured: an external server's batch counts other
+        # clients too, and a busy pool kept out by a guess would never be measured at all.
         limit = crossovers.get(f"{ctx.label}:{a.key}")
         if limit is not None and batch >= limit:
             past[a] = f"{a.key} (batch {batch} >= measured {limit:g})"
-        elif limit is None and 0 < rules.max_batch_for_spec <= batch:
-            past[a] = f"{a.key} (batch {batch} >= {rules.max_batch_for_spec})"
     if not past:
         return arms
     why.append("speculative pool past its crossover: " + ", ".join(past.values()))

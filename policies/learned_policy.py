@@ -117,7 +117,9 @@ class LearnedPolicy:
                 )
             return meeting, [a for a in arms if a in meeting], False, headroom
         best = max(headroom, key=lambda a: headroom[a])
-        unjudged = [a for a in arms if a not in headroom]
+        # Only an arm with no goodput model at all can still be taken (by exploration): one with a
+        # goodput model but no latency model is neither judged nor choosable here.
+        unjudged = [a for a in arms if a not in preds]
         why.append(
             f"SLO: no modelled arm predicted to meet it; {best.key} has the most headroom "
             f"({headroom[best]:.2f})"

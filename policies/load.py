@@ -85,7 +85,7 @@ class BackendLoad:
             latency_ewma_ms=sum(latencies) / len(latencies) if latencies else None,
             healthy=any(m.healthy for m in members),
             # Each replica's batch as it is known (scraped, else this gateway's count there).
-            running=round(sum(m.batch for m in up) / n) if scraped else None,
+            running=min(MAX_COUNT, round(sum(m.batch for m in up) / n)) if scraped else None,
             waiting=0 if scraped else None,
             kv_usage=sum(kv) / len(kv) if kv else None,
             speculative=any(m.speculative for m in up),

@@ -27,6 +27,7 @@ class Observation:
     # token. A non-streamed call's TTFT and TPOT come from these; None: the backend did not say.
     backend_ttft: float | None = None
     backend_tpot: float | None = None
+    sent_time: float | None = None  # time.time() the last attempt went to an external backend
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None

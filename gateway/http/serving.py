@@ -44,7 +44,8 @@ async def handle(
     streaming = False
     try:
         slo = svc.slo(caller.key_id, request.headers)
-        decision = tracker.decision = svc.router.route(parsed, load, slo)
+        prefix_salt = svc.prefix_salt(caller.key_id, ctx.client_addr, parsed.cache_salt)
+        decision = tracker.decision = svc.router.route(parsed, load, slo, prefix_salt)
         svc.router.admit(decision)
         call = tracker.call = BackendCall(
             request_id=ctx.request_id,
@@ -57,7 +58,7 @@ async def handle(
             spec=decision.spec,
             route=decision,
             cache_scope=svc.cache_scope(caller.key_id, ctx.client_addr),
-            prefix_salt=svc.prefix_salt(caller.key_id, ctx.client_addr, parsed.cache_salt),
+            prefix_salt=prefix_salt,
             tenant=caller.tenant,
             body_bytes=tracker.body_bytes,
         )

@@ -147,6 +147,8 @@ class SqlPolicyStore:
             r.tokens_per_s,
             r.tpot_ms,
             r.ttft_ms,
+            r.e2e_ms,
+            r.stream,
             r.num_draft_tokens,
             r.num_accepted_tokens,
             r.propensity,
@@ -164,18 +166,24 @@ class SqlPolicyStore:
                 if not arm or not isinstance(row.features, dict):
                     continue
                 stamp = _utc(row.arrival_time)
+                ttft, tpot = row.ttft_ms, row.tpot_ms
+                if not row.stream and ttft is not None and row.e2e_ms and ttft >= 0.99 * row.e2e_ms:
+                    # A whole answer's TTFT equal to its whole time is not a measurement: rows from
+                    # before external backends' own timings were read recorded it so (and a TPOT
+                    # near 0 with it).
+                    ttft = tpot = None
                 out.append(
                     TrainingRow(
                         arm,
                         {k: float(v) for k, v in row.features.items() if isinstance(v, (int, float))},
                         float(row.tokens_per_s),
-                        row.tpot_ms,
+                        tpot,
                         row.workload_class,
                         stamp.timestamp() if stamp else 0.0,
                         row.num_draft_tokens,
                         row.num_accepted_tokens,
                         row.propensity if row.propensity is not None and 0 < row.propensity <= 1 else None,
-                        row.ttft_ms,
+                        ttft,
                     )
                 )
         return out

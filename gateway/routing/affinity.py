@@ -24,9 +24,10 @@ With `mode = "prefix"` (the default) the prompt itself decides first: its chaine
 (routing/prefix_index.py) are matched against an index of where this gateway sent earlier prompts,
 and the replica with the lowest cost (prompt tokens it would have to prefill, weighed against its
 requests in flight, within the same bounded-load cap) takes it; a match shorter than
-`min_match_blocks` counts for nothing, and without one the session key's replica does, as above.
-Two conversations sharing a long system prompt thus meet on one replica's cache, and the index is
-corrected by the `cached_tokens` each replica reports (`Affinity.observe`). The load is the
+`min_match_blocks` counts for nothing, and without one the least-loaded replica under the cap takes
+it (the session key's first among equals). Matches are made within the request's prefix-cache scope
+and salt only. Two conversations sharing a long system prompt thus meet on one replica's cache, and
+the index is checked against the `cached_tokens` each replica reports (`Affinity.observe`). The load is the
 replica's own where its /metrics say (requests running and waiting), else this gateway's requests
 in flight there, summed over its worker processes.
 """
@@ -51,8 +52,10 @@ LEADING_ROLES = frozenset({"system", "developer"})
 @dataclass(slots=True)
 class AffinityChoice:
     group: str
-    source: str  # what keyed the request: "user", "prefix" or "none" (least loaded)
-    home: str | None  # the key's replica were load no concern (None without a key)
+    # What keyed the request: "user", "prefix" (its leading messages) or "none" (least loaded); in
+    # prefix mode "cached" where a replica holds enough of its prompt.
+    source: str
+    home: str | None  # the key's replica (or the one holding its prompt) were load no concern
     chosen: str  # the replica the request goes to first
     # Prefix mode: the prompt's blocks matched on the chosen replica and the best any replica had,
     # and why it was chosen ("prefix", "load" or "no match"); None in session mode.
@@ -189,10 +192,18 @@ class Affinity:
         self.index = {g: PrefixIndex(self.settings.index_blocks) for g in groups}
 
     def arrange(
-        self, backends: list[str], request: ChatCompletionRequest | CompletionRequest, record: bool = True
+        self,
+        backends: list[str],
+        request: ChatCompletionRequest | CompletionRequest,
+        record: bool = True,
+        scope: str | None = "",
     ) -> tuple[list[str], AffinityChoice | None]:
         """`backends` with the first one's replica group reordered for this request; `record`
-        False only asks (an operator's explain): the prefix index is left as it was."""
+        False only asks (an operator's explain): the prefix index is left as it was. `scope`: whose
+        earlier prompts this one may be matched against (the request's prefix-cache scope and
+        salt, as for the embedded engine's cache; "" everyone's, None nobody's): a match steers
+        routing and shows in the route, so it must not tell one tenant what another's prompts
+        begin with."""
         group = self.group_of.get(backends[0]) if backends and self.settings.enabled else None
         if group is None:
             return backends, None
@@ -221,10 +232,11 @@ class Affinity:
             st = self.settings
             text = prompt_text(request)
             text_chars = len(text)
-            blocks = prompt_blocks(text, st.block_chars, st.max_prompt_blocks)
+            blocks = prompt_blocks(text, st.block_chars, st.max_prompt_blocks, scope or "")
+            matched = self.index[group].match(blocks, up) if scope is not None else {}
             prefix = choose(
                 up,
-                self.index[group].match(blocks, up),
+                matched,
                 loads,
                 len(blocks),
                 block_chars=st.block_chars,
@@ -235,9 +247,15 @@ class Affinity:
                 tokens_per_request=st.tokens_per_request,
             )
             chosen = prefix.chosen
-            # Where it goes now is where its blocks will be: the next request of the family sees
-            # them at once (corrected when the replica reports what it had cached).
-            if record:
+            usable = {n: m for n, m in matched.items() if m >= st.min_match_blocks}
+            if usable:
+                # Where its prompt is cached: the replica it would go to were load no concern.
+                source, home = "cached", max(up, key=lambda n: (usable.get(n, 0), -up.index(n)))
+            if scope is None:
+                blocks = None  # nobody's: nothing to learn from it either
+            elif record:
+                # Where it goes now is where its blocks will be: the next request of the family
+                # sees them at once (checked when the replica reports what it had cached).
                 self.index[group].record(chosen, blocks)
         else:
             chosen = (
@@ -268,25 +286,37 @@ class Affinity:
         template blur the count) means it had evicted what the index believed it held, so the
         index believes it keeps fewer blocks from now on; as many lets that belief grow back."""
         affinity, blocks, served = route.affinity, route.prefix_blocks, route.backend
-        if affinity is None or not blocks or served is None:
+        if affinity is None or not blocks:
             return
-        index = self.index.get(str(affinity.get("group")))
-        if index is None or served not in self.group_of:
+        group = str(affinity.get("group"))
+        index = self.index.get(group)
+        if index is None:
             return
         chosen = affinity.get("chosen")
         predicted = int(affinity.get("matched_blocks") or 0)
         if served != chosen:
             if isinstance(chosen, str):
                 index.correct(chosen, blocks, predicted)  # it never got the blocks past its match
-            index.record(served, blocks)
+            if served is not None and self.group_of.get(served) == group:
+                index.record(served, blocks)
             return
         chars = affinity.get("prompt_chars") or 0
-        if cached_tokens is None or not prompt_tokens or not chars or not predicted:
+        if served is None or cached_tokens is None or not prompt_tokens or not chars or not predicted:
             return
         cached_chars = cached_tokens * chars / prompt_tokens
         cached_blocks = min(len(blocks), int(cached_chars) // self.settings.block_chars)
         if cached_blocks + 1 < predicted:
-            index.shrink(served, floor=len(blocks))
+            index.missed(served, floor=len(blocks))
             index.record(served, blocks)  # it holds this prompt now, having prefilled it
         else:
             index.confirm(served)
+
+    def undo(self, route: RouteDecision) -> None:
+        """The request was not served (refused, or every backend failed): the chosen replica never
+        got the blocks the index recorded for it past what it held before."""
+        affinity, blocks = route.affinity, route.prefix_blocks
+        if affinity is None or not blocks:
+            return
+        index, chosen = self.index.get(str(affinity.get("group"))), affinity.get("chosen")
+        if index is not None and isinstance(chosen, str):
+            index.correct(chosen, blocks, int(affinity.get("matched_blocks") or 0))

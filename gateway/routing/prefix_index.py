@@ -36,19 +36,25 @@ from dataclasses import dataclass
 # routing only, they never let one request read another's cache (the replica keys its cache by
 # its own token hashes). Nothing is persisted, so stability across restarts is simply not needed.
 _SEED = b"\x00" * 8
+MISS_TOLERANCE = 3  # reports of fewer cached tokens than matched before the index believes less
 _PERSON = b"specgate-prefix"
 
 
-def prompt_blocks(text: str, block_chars: int, max_blocks: int) -> list[int]:
+def prompt_blocks(text: str, block_chars: int, max_blocks: int, scope: str = "") -> list[int]:
     """Chained 64-bit hashes of the leading full blocks of `text` (block i's hash covers blocks 0..i),
-    at most max_blocks."""
+    at most max_blocks. `scope` seeds the chain: prompts match only within one scope (whose cached
+    prompts a request may hit, as the prefix cache's scope and salt say)."""
     if block_chars < 1:
         raise ValueError("block_chars must be at least 1")
     # A partial last block is left out: its content is still growing (the next turn appends to it),
     # so its hash would never match anything. max_blocks bounds the hashing of very long prompts.
     n = min(len(text) // block_chars, max(max_blocks, 0))
     out: list[int] = []
-    prev = _SEED
+    prev = (
+        hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=8, person=_PERSON).digest()
+        if scope
+        else _SEED
+    )
     for i in range(n):
         chunk = text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
         # The previous hash is a fixed 8 bytes, so (previous, block) is encoded unambiguously.
@@ -67,6 +73,7 @@ class PrefixIndex:
         "_cap",
         "_free_bits",
         "_lru",
+        "_misses",
         "_name_of",
         "_next_bit",
         "_owners",
@@ -91,6 +98,7 @@ class PrefixIndex:
         # cached tokens than the index promised (its real cache is smaller, or shared with traffic
         # this gateway does not see), then less; it grows back while reports agree.
         self._cap: dict[str, int] = {}
+        self._misses: dict[str, int] = {}
 
     def capacity(self, replica: str) -> int:
         return self._cap.get(replica, self.capacity_blocks)
@@ -106,11 +114,24 @@ class PrefixIndex:
         self._cap[replica] = cap
         self._evict(replica, lru)
 
+    def missed(self, replica: str, floor: int = 1, tolerance: int = MISS_TOLERANCE) -> None:
+        """The replica reported fewer cached tokens than the index matched. One such report can be a
+        burst of one family's requests that arrived before the first one's prefill was cached; only
+        `tolerance` of them without a confirmation between shrink the belief, and never below a
+        sixteenth of the configured capacity."""
+        n = self._misses.get(replica, 0) + 1
+        if n < tolerance:
+            self._misses[replica] = n
+            return
+        self._misses.pop(replica, None)
+        self.shrink(replica, max(floor, self.capacity_blocks // 16))
+
     def confirm(self, replica: str) -> None:
         """The replica had what the index promised: let its believed capacity grow back a little."""
+        self._misses.pop(replica, None)
         cap = self._cap.get(replica)
         if cap is not None:
-            cap += max(1, cap // 32)
+            cap += max(1, cap // 8)
             if cap >= self.capacity_blocks:
                 del self._cap[replica]
             else:
@@ -194,6 +215,7 @@ class PrefixIndex:
             return
         bit = self._bit_of.pop(replica)
         self._cap.pop(replica, None)
+        self._misses.pop(replica, None)
         del self._name_of[bit]
         for h in lru:
             self._drop(h, bit)

@@ -77,15 +77,19 @@ class Router:
         self.allowed = allowed_methods(settings)
         self.affinity = Affinity(settings, registry)
 
-    def route(self, request: Request, load: Load, slo: Slo | None = None) -> RouteDecision:
+    def route(
+        self, request: Request, load: Load, slo: Slo | None = None, scope: str | None = ""
+    ) -> RouteDecision:
         """`load`: the load at the request's arrival, the same one its record keeps; `slo`: its
-        latency targets."""
-        return self.plan(request, load, slo=slo).route
+        latency targets; `scope`: whose earlier prompts prefix affinity may match it against (its
+        prefix-cache scope and salt; None: nobody's)."""
+        return self.plan(request, load, slo=slo, scope=scope).route
 
     def admit(self, route: RouteDecision) -> None:
         """429 where no arm is predicted to meet the request's latency targets and the operator
         refuses those (checked after the route is kept, so the refused request's row has it)."""
         if route.slo_miss and self.settings.slo.reject:
+            self.affinity.undo(route)
             raise GatewayError(
                 429,
                 "no backend is predicted to serve this request within its latency targets now",
@@ -93,10 +97,17 @@ class Router:
                 retry_after=self.settings.retry_after_seconds,
             )
 
-    def plan(self, request: Request, load: Load, explore: bool = True, slo: Slo | None = None) -> Plan:
+    def plan(
+        self,
+        request: Request,
+        load: Load,
+        explore: bool = True,
+        slo: Slo | None = None,
+        scope: str | None = "",
+    ) -> Plan:
         names, why = candidate_backends(self.settings, self.registry, request.model)
         if self.policy is None:
-            names, choice = self.affinity.arrange(names, request, record=explore)
+            names, choice = self.affinity.arrange(names, request, record=explore, scope=scope)
             slo_dict = slo.as_dict() if slo is not None else None
             spec, policy, reason = self._speculation(request, None, STATIC, why, why)
             route = RouteDecision(
@@ -110,7 +121,7 @@ class Router:
                 slo=slo_dict,
             )
             return Plan(route, load)
-        return self._policy_plan(self.policy, request, load, names, why, explore, slo)
+        return self._policy_plan(self.policy, request, load, names, why, explore, slo, scope)
 
     def arms(self, names: list[str]) -> list[Arm]:
         """The arms of the candidate backends, in their order: the embedded engine's per method;
@@ -143,6 +154,7 @@ class Router:
         why: str,
         explore: bool,
         slo: Slo | None,
+        scope: str | None,
     ) -> Plan:
         asking = not explore  # an operator's explain: nothing may change, the prefix index included
         info = request_info(request)
@@ -160,7 +172,7 @@ class Router:
         members = self.pool_members(arm.backend, names) or [arm.backend]
         backends = [*members, *(n for n in names if n not in members)]
         # The policy picks a pool; among its replicas, affinity picks the one for this request.
-        backends, choice = self.affinity.arrange(backends, request, record=not asking)
+        backends, choice = self.affinity.arrange(backends, request, record=not asking, scope=scope)
         chosen: SpecParams | None = None
         if not arm.external:
             chosen = SpecParams(

@@ -15,7 +15,7 @@ import pytest
 from specgate.policies.arms import Arm
 from specgate.policies.decision import Decision, DecisionContext, Slo
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.goodput import MODEL_FEATURES, ArmModel, GoodputModel, TrainingRow, vector
+from specgate.policies.goodput import MODEL_FEATURES, ArmModel, GoodputModel, Prediction, TrainingRow, vector
 from specgate.policies.guards import safe_arms
 from specgate.policies.learned_policy import LearnedPolicy
 from specgate.policies.load import ARM_LOAD, MAX_COUNT, BackendLoad, Load, arm_input
@@ -387,22 +387,32 @@ def keys(c: DecisionContext, rules: RuleConfig | None = None, **kw: dict[str, fl
     return [a.key for a in arms]
 
 
-def test_a_speculative_pool_past_the_batch_limit_of_its_own_backend_is_dropped() -> None:
+def test_a_speculative_pool_past_its_measured_crossover_of_its_own_backend_is_dropped() -> None:
     both = [*POOLS, *EMBEDDED]
-    # Its own batch (16 >= max_batch_for_spec), the engine idle: the pool goes, the engine's stay.
-    arms, why = safe_arms(ctx("code", pools_load(spec=16, plain=0), both), RuleConfig())
+    crossovers = {f"code:{SPEC.key}": 16.0}
+    # Its own batch past the class's crossover, the engine idle: the pool goes, the engine's stay.
+    arms, why = safe_arms(
+        ctx("code", pools_load(spec=16, plain=0), both), RuleConfig(), crossovers=crossovers
+    )
     assert [a.key for a in arms] == [PLAIN.key, *(a.key for a in EMBEDDED)]
-    assert "spec:upstream-ngram (batch 16 >= 16)" in "; ".join(why)
-    assert keys(ctx("code", pools_load(spec=15, plain=0), both)) == [a.key for a in both]
+    assert "spec:upstream-ngram (batch 16 >= measured 16)" in "; ".join(why)
+    assert keys(ctx("code", pools_load(spec=15, plain=0), both), crossovers=crossovers) == [
+        a.key for a in both
+    ]
+    # Nothing measured: no constant stands in (a busy external pool would never be measured).
+    assert keys(ctx("code", pools_load(spec=500, plain=0), both)) == [a.key for a in both]
     # The engine's batch is not the pool's: a full engine turns off embedded drafting only.
     full_engine = pools_load(spec=3, plain=0, engine=64)
-    assert keys(ctx("code", full_engine, both)) == [SPEC.key, PLAIN.key, "embedded:off"]
+    assert keys(ctx("code", full_engine, both), crossovers=crossovers) == [
+        SPEC.key,
+        PLAIN.key,
+        "embedded:off",
+    ]
     # Waiting requests count; so does the gateway's own in-flight count when it is not scraped.
     queued = Load(backends={"spec": BackendLoad(running=10, waiting=6), "plain": BackendLoad()})
-    assert keys(ctx("code", queued)) == [PLAIN.key]
+    assert keys(ctx("code", queued), crossovers=crossovers) == [PLAIN.key]
     unscraped = Load(backends={"spec": BackendLoad(in_flight=20), "plain": BackendLoad()})
-    assert keys(ctx("code", unscraped)) == [PLAIN.key]
-    assert keys(ctx("code", unscraped), RuleConfig(max_batch_for_spec=0)) == [SPEC.key, PLAIN.key]
+    assert keys(ctx("code", unscraped), crossovers=crossovers) == [PLAIN.key]
 
 
 def test_a_speculative_pool_stays_when_no_plain_pool_remains() -> None:
@@ -413,14 +423,13 @@ def test_a_speculative_pool_stays_when_no_plain_pool_remains() -> None:
     assert keys(ctx("code", sick)) == [SPEC.key]
 
 
-def test_a_measured_crossover_overrides_the_constant_class_first() -> None:
+def test_only_the_classs_own_measured_crossover_counts() -> None:
     crossovers = {SPEC.key: 30.0, f"qa:{SPEC.key}": 30.0, f"code:{SPEC.key}": 5.0}
     # qa's own 30 holds, not the rules' 16.
     assert keys(ctx("qa", pools_load(spec=20, plain=0)), crossovers=crossovers) == [SPEC.key, PLAIN.key]
     assert keys(ctx("qa", pools_load(spec=30, plain=0)), crossovers=crossovers) == [PLAIN.key]
-    # rag has none: an arm-wide figure is not used (it mixes classes); the rules' 16 is.
-    assert keys(ctx("rag", pools_load(spec=15, plain=0)), crossovers=crossovers) == [SPEC.key, PLAIN.key]
-    assert keys(ctx("rag", pools_load(spec=16, plain=0)), crossovers=crossovers) == [PLAIN.key]
+    # rag has none: an arm-wide figure is not used (it mixes classes), nor any constant.
+    assert keys(ctx("rag", pools_load(spec=500, plain=0)), crossovers=crossovers) == [SPEC.key, PLAIN.key]
     # code has: 5.
     arms, why = safe_arms(ctx("code", pools_load(spec=5, plain=0)), RuleConfig(), crossovers=crossovers)
     assert [a.key for a in arms] == [PLAIN.key] and "measured 5" in "; ".join(why)
@@ -644,3 +653,28 @@ def test_the_arm_model_round_trips_and_reads_older_dicts(slo_model: GoodputModel
         assert p.ttft_ms is None and p.tpot_ms == m.predict(x).tpot_ms and p.log_mean == m.predict(x).log_mean
     whole = GoodputModel.from_dict(json.loads(json.dumps(slo_model.as_dict())))
     assert whole.predict(SLOW.key, c.model_input(SLOW)) == slo_model.predict(SLOW.key, c.model_input(SLOW))
+
+
+def test_a_group_of_replicas_each_at_the_limit_is_still_a_load() -> None:
+    # Each replica may say 1e6 running and 1e6 waiting: the group's mean batch is held at the limit
+    # rather than refused (a refusal here would fail every request's routing).
+    full = BackendLoad(running=MAX_COUNT, waiting=MAX_COUNT)
+    group = BackendLoad.combine([full, full])
+    assert group.running == MAX_COUNT and group.batch == MAX_COUNT
+
+
+def test_slo_unjudged_arms_count_only_when_the_policy_can_still_take_them() -> None:
+    slow = Arm.upstream("slow", None)
+    blind = Arm.upstream("blind", None)  # a goodput model, no latency model
+    new = Arm.upstream("new", None)  # no model at all: exploration may take it
+    preds = {
+        slow: Prediction(math.log(50.0), 0.1, tpot_ms=10.0, ttft_ms=5000.0),
+        blind: Prediction(math.log(50.0), 0.1, tpot_ms=None, ttft_ms=None),
+    }
+    slo = Slo(ttft_ms=1000.0)
+    why: list[str] = []
+    modelled, arms, miss, headroom = LearnedPolicy._within_slo(slo, [slow, blind], [slow, blind], preds, why)
+    assert modelled == [slow] and arms == [slow] and miss  # blind cannot be chosen: a miss
+    assert headroom[slow] == 0.2
+    modelled, arms, miss, _ = LearnedPolicy._within_slo(slo, [slow, blind, new], [slow, blind], preds, why)
+    assert modelled == [slow] and arms == [slow, new] and not miss  # new might meet it

@@ -62,6 +62,10 @@ MAX_METRICS_BYTES = 4 * 2**20
 STALE_INTERVALS = 3.0
 
 
+def _parse(raw: bytes) -> ScrapedLoad:
+    return parse_metrics(raw.decode("utf-8", "replace"))
+
+
 class InFlight:
     """Requests this gateway has in flight at one backend: this process's count, or with `serve
     --workers N` the sum over every worker (shared memory: each worker's share alone would make a
@@ -221,7 +225,7 @@ class OpenAIBackend:
                 finally:
                     await r.aclose()
             # Parsing a large exposition is CPU work: off the event loop.
-            snap = await asyncio.to_thread(parse_metrics, raw.decode("utf-8", "replace"))
+            snap = await asyncio.to_thread(_parse, raw)
         except ScrapeError as exc:
             return self._scrape_failed(str(exc))
         except Malformed as exc:
@@ -307,6 +311,7 @@ class OpenAIBackend:
                     retry_after=self.breaker.retry_after(),
                 )
             call.observed.attempts += 1
+            call.observed.sent_time = time.time()  # the attempt that answers is the last one
             try:
                 response = await self.client.send(
                     "POST", url, body=payload, headers=self._headers, timeout=self._timeout
@@ -371,7 +376,6 @@ class OpenAIBackend:
 
     async def _complete(self, call: BackendCall) -> dict[str, Any]:
         self._in_flight.enter()
-        sent = time.time()
         try:
             async with asyncio.timeout(self.settings.total_timeout):
                 response = await self._timed_send(call)
@@ -396,6 +400,7 @@ class OpenAIBackend:
         # measured it (else None, and the record's TTFT and TPOT stay unknown rather than wrong).
         if call.observed.backend_ttft is not None:
             # Never later than the answer's arrival, whatever the backend claims.
+            sent = call.observed.sent_time or time.time()
             call.observed.first_token_time = min(sent + call.observed.backend_ttft, time.time())
         body["model"] = call.model
         return body

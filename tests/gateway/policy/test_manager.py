@@ -232,3 +232,30 @@ def test_retrain_measures_the_step_cost_from_spec_steps(engine) -> None:  # type
     assert manager.state.step_cost is not None and manager.state.step_cost.n_steps == 160
     view = manager.describe()["step_cost"]
     assert view["crossover_batch"]["code:ngram"] is not None and view["crossover_batch"]["code:ngram"] > 1
+
+
+def test_a_whole_answers_latency_equal_to_its_whole_time_is_not_trained_on(engine) -> None:  # type: ignore[no-untyped-def]
+    """Rows from before external backends' own timings were read recorded a non-streamed answer's
+    TTFT as its whole time (and a TPOT near 0): unknown, not measurements."""
+    now = dt.datetime.now(dt.UTC)
+    base = dict(
+        endpoint="chat", model="m", arrival_time=now, cancelled=False, status=200, outcome="ok",
+        tokens_per_s=5.0, completion_tokens=50, features={"p_code": 1.0}, route={"arm": "vllm:upstream"},
+    )  # fmt: skip
+    rows = [
+        {**base, "request_id": "old", "stream": False, "ttft_ms": 1000.0, "e2e_ms": 1000.0, "tpot_ms": 0.01},
+        {**base, "request_id": "timed", "stream": False, "ttft_ms": 80.0, "e2e_ms": 1000.0, "tpot_ms": 18.0},
+        {
+            **base,
+            "request_id": "streamed",
+            "stream": True,
+            "ttft_ms": 999.0,
+            "e2e_ms": 1000.0,
+            "tpot_ms": 0.02,
+        },
+    ]
+    with engine.begin() as conn:
+        for row in rows:
+            conn.execute(insert(requests).values(**row))
+    got = {(r.ttft_ms, r.tpot_ms) for r in SqlPolicyStore(engine).training_rows(time.time() - 3600)}
+    assert got == {(None, None), (80.0, 18.0), (999.0, 0.02)}

@@ -239,7 +239,8 @@ def test_a_long_shared_system_prompt_meets_on_one_replica() -> None:
 
     d2 = route(r, second)  # equal load (none): the replica that holds the system prompt takes it
     assert d2.affinity is not None and d2.backends[0] == d1.backends[0] != home(r, second)
-    assert d2.affinity["source"] == "prefix" and d2.affinity["home"] == home(r, second)
+    # Its home is where its prompt is cached, not its session hash's replica.
+    assert d2.affinity["source"] == "cached" and d2.affinity["home"] == d1.backends[0]
     assert d2.affinity["prefix_reason"] == "prefix"
     shared_blocks = len(LONG_SYSTEM) // st.block_chars
     assert st.min_match_blocks <= d2.affinity["matched_blocks"] == d2.affinity["best_matched_blocks"]
@@ -317,9 +318,13 @@ def test_observe_ignores_a_route_without_prefix_blocks_or_outside_the_group() ->
     d = route(r, chat("How do I reset my password?", LONG_SYSTEM))
     assert d.prefix_blocks
     before = {n: index.held(n) for n in REPLICAS}
+    chosen = d.affinity["chosen"] if d.affinity else None
+    assert chosen in REPLICAS and before[chosen] == len(d.prefix_blocks)
     d.served_by("solo", True)  # another pool served: not a replica of this group
     r.affinity.observe(d, cached_tokens=0, prompt_tokens=100)
-    assert {n: index.held(n) for n in REPLICAS} == before and index.held("solo") == 0
+    # The chosen replica never got the prompt; solo is not in this group's index.
+    assert index.held(chosen) == 0 and index.held("solo") == 0
+    assert all(index.held(n) == before[n] for n in REPLICAS if n != chosen)
     d.prefix_blocks = None
     r.affinity.observe(d, cached_tokens=0, prompt_tokens=100)  # nothing to do
 
@@ -360,9 +365,14 @@ def test_a_replica_reporting_less_cached_than_matched_is_believed_to_keep_less()
     d.served_by(served, True)
     full = index.capacity(served)
     chars = d.affinity["prompt_chars"]
-    # It reports nothing cached although the index matched the whole system prompt: evicted.
+    # It reports nothing cached although the index matched the whole system prompt: evicted, or a
+    # burst that beat the first prefill; only the third such report in a row shrinks the belief.
+    for _ in range(2):
+        r.affinity.observe(d, cached_tokens=0, prompt_tokens=chars // 4)
+        assert index.capacity(served) == full
     r.affinity.observe(d, cached_tokens=0, prompt_tokens=chars // 4)
     shrunk = index.capacity(served)
+    assert shrunk >= r.settings.affinity.index_blocks // 16
     assert shrunk < full and index.held(served) <= shrunk
     assert index.match(d.prefix_blocks or [], [served])[served] == len(d.prefix_blocks or [])  # prefilled now
     # Reports that agree let the belief grow back.
@@ -371,3 +381,36 @@ def test_a_replica_reporting_less_cached_than_matched_is_believed_to_keep_less()
         r.affinity.observe(d, cached_tokens=matched_tokens + 64, prompt_tokens=chars // 4)
     assert shrunk < index.capacity(served) <= full
     assert first.prefix_blocks
+
+
+def test_prompts_match_only_within_their_prefix_cache_scope() -> None:
+    r = pool()
+    index = r.affinity.index["pool"]
+    loads = Load(backends=r.registry.loads())
+    first, second = two_users(r, LONG_SYSTEM)
+    alice = r.route(first, loads, scope="tenant-a")
+    assert alice.prefix_blocks and alice.affinity is not None
+    # Another tenant's request with the same system prompt learns nothing of it.
+    mallory = r.route(second, Load(backends=r.registry.loads()), scope="tenant-b")
+    assert mallory.affinity is not None
+    assert mallory.affinity["best_matched_blocks"] == 0 and mallory.affinity["prefix_reason"] == "no match"
+    # The same tenant's does.
+    again = r.route(second, Load(backends=r.registry.loads()), scope="tenant-a")
+    assert again.affinity is not None and again.affinity["prefix_reason"] == "prefix"
+    assert again.backends[0] == alice.backends[0]
+    # Nobody's (prefix_cache_scope off): no match, and nothing recorded to match later.
+    held = {n: index.held(n) for n in REPLICAS}
+    nobody = r.route(first, Load(backends=r.registry.loads()), scope=None)
+    assert nobody.affinity is not None and nobody.affinity["best_matched_blocks"] == 0
+    assert nobody.prefix_blocks is None and {n: index.held(n) for n in REPLICAS} == held
+
+
+def test_a_request_not_served_leaves_no_blocks_behind() -> None:
+    r = pool()
+    index = r.affinity.index["pool"]
+    d = route(r, chat("How do I reset my password?", LONG_SYSTEM))
+    assert d.affinity is not None and d.prefix_blocks
+    chosen = d.affinity["chosen"]
+    assert index.held(chosen) == len(d.prefix_blocks)
+    r.affinity.undo(d)  # refused (an SLO 429) or failed on every backend
+    assert index.held(chosen) == 0
