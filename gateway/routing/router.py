@@ -31,6 +31,7 @@ from specgate.policies.load import Load
 
 Request = ChatCompletionRequest | CompletionRequest
 STATIC = "static"  # the policy label of a route decided without a routing policy
+CONFIGURED = "configured route"  # why the candidates are what they are: the operator listed them
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +162,13 @@ class Router:
         cls = policy.classifier.classify(info)
         features = request_features(info, cls.probs)
         arms = self.arms(names)
+        if why == CONFIGURED:
+            # An operator's `routes.<model>.backends` is an ordered failover plan (LiteLLM's
+            # fallbacks), not a pool to spread over: the policy chooses among the arms of its
+            # first healthy backend (or replica group) only, and the rest wait for failures.
+            up = [a for a in arms if (b := load.backends.get(a.backend)) is None or b.healthy]
+            first = (up or arms)[0].backend
+            arms = [a for a in arms if a.backend == first]
         manager = policy.manager
         # A seeded request is never explored: the same seed must give the same answer, and a
         # speculative arm draws its random numbers differently from plain sampling.
@@ -237,7 +245,7 @@ def candidate_backends(settings: Settings, registry: BackendRegistry, model: str
     """The backends that may serve `model`, in preference order, and why; 404 if there are none."""
     configured = settings.routes.get(model)
     if configured is not None and configured.backends:
-        names, reason = list(configured.backends), "configured route"
+        names, reason = list(configured.backends), CONFIGURED
     else:
         names, reason = [b.name for b in registry.serving(model)], "backends serving the model"
     if not names:

@@ -414,3 +414,21 @@ def test_a_request_not_served_leaves_no_blocks_behind() -> None:
     assert index.held(chosen) == len(d.prefix_blocks)
     r.affinity.undo(d)  # refused (an SLO 429) or failed on every backend
     assert index.held(chosen) == 0
+
+
+def test_a_routes_listed_backends_are_a_failover_plan_not_a_pool_to_spread_over() -> None:
+    plan = {"m": {"backends": ["main", "spare"]}}
+    r = make_router(be("main"), be("spare", speculative="ngram"), routes=plan)
+    manager = r.policy.manager if r.policy is not None else None
+    assert manager is not None
+    manager.state.rules.exploration_rate = manager.state.rules.exploration_cap = 1.0
+    manager._install({"version": 9, "artifact": manager.state.as_dict()})
+    picked = {route(r, chat(CODE, temperature=0)).chosen_arm for _ in range(30)}
+    assert picked == {"main:upstream"}  # never explored onto the spare, though code would speculate
+    upstream(r, "main").probe_ok = False
+    assert route(r, chat(CODE, temperature=0)).chosen_arm == "spare:upstream-ngram"  # its turn now
+    # Without the route, both serve the model and the policy chooses (and explores) across them.
+    free = make_router(be("main"), be("spare", speculative="ngram"))
+    free.policy.manager.state.rules.exploration_rate = 1.0  # type: ignore[union-attr]
+    arms = {route(free, chat(CODE, temperature=0)).chosen_arm for _ in range(30)}
+    assert arms == {"main:upstream", "spare:upstream-ngram"}
