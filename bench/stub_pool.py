@@ -61,7 +61,6 @@ import hashlib
 import json
 import math
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -72,13 +71,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from specgate.policies.features import copyability  # the gateway's own feature, read the same way
+
 METRICS_FLAVORS = ("vllm", "llamacpp")
 METRICS_MODES = ("ok", "nan", "negative", "absurd", "garbage", "slow", "404")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _TEXT = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-_WORD = re.compile(r"\w+|[^\w\s]")  # the gateway's copyability tokens (policies/features.py)
-COPY_CHARS = 4000  # prompt characters copyability reads, as the gateway's feature does
 FILLER = ["the", "of", "and", "to", "a", "in", "that", "is", "for", "it", "as", "with", "on", "this"]
 
 
@@ -132,21 +131,6 @@ class PoolConfig:
             else:
                 out += [flag, str(value)]
         return out
-
-
-def copyability(text: str, n: int = 3) -> float:
-    """Share of the word n-grams of the prompt's head that already occurred earlier in it."""
-    words = _WORD.findall(text[:COPY_CHARS])
-    total = len(words) - n + 1
-    if total <= 0:
-        return 0.0
-    seen: set[tuple[str, ...]] = set()
-    repeats = 0
-    for i in range(total):
-        gram = tuple(words[i : i + n])
-        repeats += gram in seen
-        seen.add(gram)
-    return repeats / total
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:

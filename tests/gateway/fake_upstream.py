@@ -274,27 +274,9 @@ class FakeUpstream:
         with self._lock:
             self.received.append(Received(method, path, headers, body))
             reply = self._script.popleft() if self._script else Reply()
-        if reply.kind == "hang":
-            assert self._release is not None
-            await self._release.wait()
-            return False
-        if reply.kind == "drop":
-            writer.transport.abort()
-            return False
-        if reply.kind == "raw":
-            writer.write(conn.send(h11.Response(status_code=reply.status, headers=reply.headers)))
-            while True:
-                for part in reply.chunks:
-                    if part:
-                        writer.write(conn.send(h11.Data(data=part)))
-                    await writer.drain()
-                    if reply.every:
-                        await asyncio.sleep(reply.every)
-                if not reply.forever:
-                    break
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
-            return True
+        misbehaved = await self._misbehave(conn, writer, reply)
+        if misbehaved is not None:
+            return misbehaved
         if reply.kind == "error":
             headers_out = [("retry-after", reply.retry_after)] if reply.retry_after is not None else []
             err = _error_body(reply.message, reply.type, reply.code, reply.param)
@@ -305,6 +287,34 @@ class FakeUpstream:
         if body.get("stream"):
             return await self._stream(conn, writer, body, chat, reply)
         await _send_json(conn, writer, 200, self._completion(body, chat, reply))
+        return True
+
+    async def _misbehave(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, reply: Reply
+    ) -> bool | None:
+        """A hang, a dropped connection or raw bytes, as scripted (whether the connection may be
+        reused); None for any other kind of reply."""
+        if reply.kind == "hang":
+            assert self._release is not None
+            await self._release.wait()
+            return False
+        if reply.kind == "drop":
+            writer.transport.abort()
+            return False
+        if reply.kind != "raw":
+            return None
+        writer.write(conn.send(h11.Response(status_code=reply.status, headers=reply.headers)))
+        while True:
+            for part in reply.chunks:
+                if part:
+                    writer.write(conn.send(h11.Data(data=part)))
+                await writer.drain()
+                if reply.every:
+                    await asyncio.sleep(reply.every)
+            if not reply.forever:
+                break
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
         return True
 
     async def _metrics(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> bool:
@@ -318,27 +328,9 @@ class FakeUpstream:
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
             return True
-        if reply.kind == "hang":
-            assert self._release is not None
-            await self._release.wait()
-            return False
-        if reply.kind == "drop":
-            writer.transport.abort()
-            return False
-        if reply.kind == "raw":
-            writer.write(conn.send(h11.Response(status_code=reply.status, headers=reply.headers)))
-            while True:
-                for part in reply.chunks:
-                    if part:
-                        writer.write(conn.send(h11.Data(data=part)))
-                    await writer.drain()
-                    if reply.every:
-                        await asyncio.sleep(reply.every)
-                if not reply.forever:
-                    break
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
-            return True
+        misbehaved = await self._misbehave(conn, writer, reply)
+        if misbehaved is not None:
+            return misbehaved
         err = _error_body(reply.message, reply.type, reply.code, reply.param)
         await _send_json(conn, writer, reply.status if reply.kind == "error" else 500, err)
         return True
