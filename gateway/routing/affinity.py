@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.routing.prefix_index import PrefixChoice, PrefixIndex, choose, prompt_blocks
 from specgate.gateway.settings import AffinitySettings, Settings
+from specgate.policies.load import BackendLoad
 
 LEADING_ROLES = frozenset({"system", "developer"})
 
@@ -197,28 +199,32 @@ class Affinity:
         request: ChatCompletionRequest | CompletionRequest,
         record: bool = True,
         scope: str | None = "",
+        loads: Mapping[str, BackendLoad] | None = None,
     ) -> tuple[list[str], AffinityChoice | None]:
         """`backends` with the first one's replica group reordered for this request; `record`
         False only asks (an operator's explain): the prefix index is left as it was. `scope`: whose
         earlier prompts this one may be matched against (the request's prefix-cache scope and
         salt, as for the embedded engine's cache; "" everyone's, None nobody's): a match steers
         routing and shows in the route, so it must not tell one tenant what another's prompts
-        begin with."""
+        begin with. `loads`: the load snapshot the router decided on (read again here if None)."""
         group = self.group_of.get(backends[0]) if backends and self.settings.enabled else None
         if group is None:
             return backends, None
         members = [n for n in backends if self.group_of.get(n) == group]
         if len(members) < 2:
             return backends, None
-        healthy, loads = {}, {}
+        healthy: dict[str, bool] = {}
+        batch: dict[str, int] = {}
         for name in members:
-            b = self.registry.get(name)
-            healthy[name] = b is not None and b.healthy
-            loads[name] = b.load().batch if b is not None else 0
+            seen = loads.get(name) if loads is not None else None
+            if seen is None:
+                b = self.registry.get(name)
+                seen = b.load() if b is not None else BackendLoad(healthy=False)
+            healthy[name], batch[name] = seen.healthy, seen.batch
         keyed = session_key(request, self.settings.prompt_chars)
         if keyed is None:
             source, home = "none", None
-            ring = sorted(members, key=lambda n: (not healthy[n], loads[n]))
+            ring = sorted(members, key=lambda n: (not healthy[n], batch[n]))
         else:
             source = keyed[0]
             present = set(members)
@@ -237,7 +243,7 @@ class Affinity:
             prefix = choose(
                 up,
                 matched,
-                loads,
+                batch,
                 len(blocks),
                 block_chars=st.block_chars,
                 min_match_blocks=st.min_match_blocks,
@@ -259,7 +265,7 @@ class Affinity:
                 self.index[group].record(chosen, blocks)
         else:
             chosen = (
-                bounded_pick(up, loads, self.settings.load_factor, self.settings.spill_after)
+                bounded_pick(up, batch, self.settings.load_factor, self.settings.spill_after)
                 if up and keyed
                 else (up or ring)[0]
             )

@@ -108,7 +108,7 @@ class Router:
     ) -> Plan:
         names, why = candidate_backends(self.settings, self.registry, request.model)
         if self.policy is None:
-            names, choice = self.affinity.arrange(names, request, record=explore, scope=scope)
+            names, choice = self.affinity.arrange(names, request, explore, scope, load.backends)
             slo_dict = slo.as_dict() if slo is not None else None
             spec, policy, reason = self._speculation(request, None, STATIC, why, why)
             route = RouteDecision(
@@ -180,7 +180,7 @@ class Router:
         members = self.pool_members(arm.backend, names) or [arm.backend]
         backends = [*members, *(n for n in names if n not in members)]
         # The policy picks a pool; among its replicas, affinity picks the one for this request.
-        backends, choice = self.affinity.arrange(backends, request, record=not asking, scope=scope)
+        backends, choice = self.affinity.arrange(backends, request, not asking, scope, load.backends)
         chosen: SpecParams | None = None
         if not arm.external:
             chosen = SpecParams(

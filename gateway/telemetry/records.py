@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specgate.gateway.protocol.route import RouteDecision
+from specgate.policies.decision import Slo
 from specgate.policies.load import Load
 
 
@@ -92,14 +93,9 @@ class RequestRecord:
         slo = self.route.slo if self.route is not None else None
         if not slo or self.outcome != "ok":
             return None
-        met = True
-        for target, value in ((slo.get("ttft_ms"), self.ttft_ms), (slo.get("tpot_ms"), self.tpot_ms)):
-            if target is None:
-                continue
-            if value is None:
-                return None
-            met = met and value <= target
-        return met
+        # The policy's own measure, on what happened instead of what it predicted.
+        headroom = Slo(**slo).headroom(self.ttft_ms, self.tpot_ms)
+        return None if headroom is None else headroom >= 1.0
 
     @property
     def tokens_per_s(self) -> float | None:

@@ -116,6 +116,24 @@ def record_of(live: LiveGateway, client_request_id: str, timeout: float = 10.0) 
         time.sleep(0.01)
 
 
+def stored_row(db: Any, client_request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The request's row in the telemetry database `db` (a SQLAlchemy engine), once the writer has
+    stored it (it writes in batches, after the response is over)."""
+    import sqlalchemy as sa
+
+    from specgate.gateway.telemetry.tables import requests
+
+    deadline = time.monotonic() + timeout
+    query = sa.select(requests).where(requests.c.client_request_id == client_request_id)
+    while True:
+        with db.connect() as conn:
+            found = conn.execute(query).mappings().first()
+        if found is not None:
+            return dict(found)
+        assert time.monotonic() < deadline, "the request's row was never written"
+        time.sleep(0.02)
+
+
 def records_settle(live: LiveGateway, count: int, timeout: float = 10.0) -> list[Any]:
     """The recent records once there are at least `count` of them."""
     wait_for(lambda: len(live.services.recent.records) >= count, timeout, interval=0.01)

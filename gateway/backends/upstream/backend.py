@@ -164,12 +164,12 @@ class OpenAIBackend:
         )
 
     def status(self) -> dict[str, Any]:
-        snap = self.fresh_scrape()
+        snap, load = self.fresh_scrape(), self.load()
         return {
             "healthy": self.healthy,
             "breaker": self.breaker.state,
             "probe_ok": self.probe_ok,
-            "in_flight": self.in_flight,
+            "in_flight": load.in_flight,
             "latency_ewma_ms": None if self.latency_ewma_ms is None else round(self.latency_ewma_ms, 2),
             "models": self.model_ids(),
             "replica_group": self.settings.replica_group,
@@ -182,10 +182,10 @@ class OpenAIBackend:
                 "load_source": snap.source if snap is not None else "gateway",
                 "error": self.scrape_error,
                 "age_s": round(time.monotonic() - self.scraped_at, 1) if self.scraped is not None else None,
-                "running": None if snap is None else snap.running,
-                "waiting": None if snap is None else snap.waiting,
-                "kv_usage": None if snap is None else snap.kv_usage,
-                "acceptance_length": None if snap is None else self.acceptance_length,
+                "running": load.running,
+                "waiting": load.waiting,
+                "kv_usage": load.kv_usage,
+                "acceptance_length": load.acceptance_length,
             },
         }
 
@@ -226,9 +226,7 @@ class OpenAIBackend:
                     await r.aclose()
             # Parsing a large exposition is CPU work: off the event loop.
             snap = await asyncio.to_thread(_parse, raw)
-        except ScrapeError as exc:
-            return self._scrape_failed(str(exc))
-        except Malformed as exc:
+        except (ScrapeError, Malformed) as exc:
             return self._scrape_failed(str(exc))
         except Exception as exc:  # unreachable, timed out, cut off
             detail = str(exc)[:120]

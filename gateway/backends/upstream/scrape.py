@@ -328,15 +328,21 @@ def _finite(metric: str, samples: list[_Sample]) -> Iterator[_Sample]:
         yield s
 
 
-def _count(parsed: _Parsed, metric: str) -> int:
-    samples = _gauge(parsed, metric)
-    if not samples:
-        raise ScrapeError(f"{metric} is missing")
+def _sum(metric: str, samples: list[_Sample]) -> float:
+    """The label sets' sum of a count that cannot be negative."""
     total = 0.0
     for s in _finite(metric, samples):
         if s.value < 0:
             raise ScrapeError(f"{metric} is negative ({_quote(s.text)})")
         total += s.value
+    return total
+
+
+def _count(parsed: _Parsed, metric: str) -> int:
+    samples = _gauge(parsed, metric)
+    if not samples:
+        raise ScrapeError(f"{metric} is missing")
+    total = _sum(metric, samples)
     if total > MAX_REQUESTS:
         raise ScrapeError(f"{metric} is {_fmt(total)}, over {MAX_REQUESTS}")
     return round(total)
@@ -359,11 +365,7 @@ def _counter(parsed: _Parsed, metric: str | None) -> float | None:
     samples = _gauge(parsed, name)
     if not samples:
         return None
-    total = 0.0
-    for s in _finite(metric, samples):
-        if s.value < 0:
-            raise ScrapeError(f"{metric} is negative ({_quote(s.text)})")
-        total += s.value
+    total = _sum(metric, samples)
     if total > MAX_COUNTER:
         raise ScrapeError(f"{metric} is {_fmt(total)}, over 2**53")
     return total

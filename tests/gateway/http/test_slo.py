@@ -25,13 +25,12 @@ import sqlalchemy as sa
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row
-from specgate.gateway.telemetry.tables import requests
 from specgate.policies.goodput import GoodputModel, TrainingRow
 from specgate.policies.load import BackendLoad, Load
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
 from tests.gateway.fake_upstream import HTTP, FakeUpstream, Reply, backend, running_gateway
-from tests.gateway.live import ADMIN_HEADERS, LiveGateway
+from tests.gateway.live import ADMIN_HEADERS, LiveGateway, stored_row
 from tests.policies import synthetic_telemetry as synth
 
 pytestmark = pytest.mark.timeout(90)
@@ -71,15 +70,7 @@ class Gateway:
         return r, self.row(rid)
 
     def row(self, rid: str) -> dict[str, Any]:
-        deadline = time.monotonic() + 10
-        query = sa.select(requests).where(requests.c.client_request_id == rid)
-        while True:
-            with self.db.connect() as conn:
-                found = conn.execute(query).mappings().first()
-            if found is not None:
-                return dict(found)
-            assert time.monotonic() < deadline, "the request's row was never written"
-            time.sleep(0.02)
+        return stored_row(self.db, rid)
 
     def install(self, state: PolicyState) -> int:
         """Route by `state` from now on: stored as a version, then made active through the admin

@@ -10,7 +10,6 @@ the gateway.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +19,10 @@ import sqlalchemy as sa
 
 from specgate.engine.outputs import RequestStats, SpecStats
 from specgate.gateway.protocol.openai_format import metrics_from_stats
-from specgate.gateway.telemetry.tables import requests
+from tests.gateway.backends.upstream.test_stats import LLAMA_TIMINGS as STATS_LLAMA_TIMINGS
+from tests.gateway.backends.upstream.test_stats import SGLANG_META_NOW, VLLM_METRICS, VLLM_OLD_METRICS
 from tests.gateway.fake_upstream import HTTP, PROMPT_TOKENS, FakeUpstream, Reply, backend, running_gateway
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import LiveGateway, stored_row
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,15 +42,7 @@ class Served:
         r = HTTP.post(f"{self.live.url}/v1/chat/completions", json=body, headers={"x-request-id": rid})
         assert r.status_code == 200, r.text
         assert not stream or r.text.rstrip().endswith("data: [DONE]"), r.text
-        deadline = time.monotonic() + 10
-        query = sa.select(requests).where(requests.c.client_request_id == rid)
-        while True:
-            with self.db.connect() as conn:
-                found = conn.execute(query).mappings().first()
-            if found is not None:
-                return dict(found)
-            assert time.monotonic() < deadline, "the request's row was never written"
-            time.sleep(0.02)
+        return stored_row(self.db, rid)
 
 
 @pytest.fixture(scope="module")
@@ -109,25 +101,6 @@ def spec_columns(row: dict[str, Any]) -> dict[str, Any]:
 
 # ---- each backend as it answers today ------------------------------------------------------------
 
-VLLM_METRICS = {  # --enable-per-request-metrics, EAGLE with 3 speculative tokens
-    "time_to_first_token_ms": 41.5,
-    "generation_time_ms": 250.0,
-    "queue_time_ms": 3.5,
-    "mean_itl_ms": 10.0,
-    "tokens_per_second": 89.19,
-    "speculative_decoding": {
-        "mean_acceptance_length": 2.5,
-        "draft_acceptance_rate": 0.5,
-        "acceptance_histogram": [2, 3, 3, 2],
-        "num_spec_steps": 10,
-        "num_accepted_draft_tokens": 15,
-        "num_draft_tokens": 30,
-        "num_spec_tokens": 3,
-        "per_step_accepted": None,
-        "per_step_drafted": None,
-    },
-}
-
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_vllm_of_today(served: Served, stream: bool) -> None:
@@ -150,20 +123,6 @@ def test_vllm_of_today(served: Served, stream: bool) -> None:
     }
 
 
-VLLM_OLD_METRICS = {
-    "arrival_time": 1718000000.01,
-    "last_token_time": 1718000000.52,
-    "first_scheduled_time": 1718000000.011,
-    "first_token_time": 1718000000.05,
-    "time_in_queue": 0.001,
-    "finished_time": 1718000000.52,
-    "scheduler_time": 0.004,
-    "model_forward_time": None,
-    "model_execute_time": None,
-    "spec_token_acceptance_counts": [14, 11, 8, 3],
-}
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_vllm_request_metrics_of_before(served: Served, stream: bool) -> None:
     row = served.row(Reply.ok(words(32), extra={"metrics": VLLM_OLD_METRICS}), stream)
@@ -182,34 +141,8 @@ def test_vllm_request_metrics_of_before(served: Served, stream: bool) -> None:
     }
 
 
-SGLANG_META = {  # native /generate with --enable-metrics, EAGLE proposing 4 drafts a step
-    "id": "4f1e2a",
-    "finish_reason": {"type": "length", "length": 32},
-    "prompt_tokens": PROMPT_TOKENS,
-    "weight_version": "default",
-    "num_retractions": 0,
-    "forward_entry_time": 1718000000.013,
-    "prefill_finished_time": 1718000000.049,
-    "queue_time": 0.002,
-    "reasoning_tokens": 0,
-    "completion_tokens": 32,
-    "cached_tokens": 4,
-    "e2e_latency": 0.41,
-    "spec_accept_rate": 0.55,
-    "spec_accept_length": 3.2,
-    "spec_num_correct_drafts": 22,
-    "spec_num_proposed_drafts": 40,
-    "spec_verify_ct": 10,
-    "spec_accepted_drafts": 22,
-    "spec_proposed_drafts": 40,
-    "spec_correct_drafts_histogram": [1, 2, 3, 2, 2],
-    "spec_accept_histogram": [1, 2, 3, 2, 2],
-    "request_received_ts": 1718000000.01,
-    "api_server_dispatch_finish_ts": 1718000000.012,
-    "response_sent_to_client_ts": 1718000000.421,
-    "request_finished_ts": 1718000000.42,
-    "decode_throughput": 31 / 0.37,
-}
+# The same answer as test_stats' fixture, for this prompt (the fake upstream's prompt tokens).
+SGLANG_META = {**SGLANG_META_NOW, "prompt_tokens": PROMPT_TOKENS, "cached_tokens": 4}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -230,18 +163,12 @@ def test_sglang_meta_info(served: Served, stream: bool) -> None:
     }
 
 
-LLAMA_TIMINGS = {  # llama-server with a draft model
-    "cache_n": 5,
+# test_stats' llama-server answer, for a 7-token prompt of which 5 were cached.
+LLAMA_TIMINGS = {
+    **STATS_LLAMA_TIMINGS,
     "prompt_n": 2,
-    "prompt_ms": 30.1,
     "prompt_per_token_ms": 15.05,
     "prompt_per_second": 66.45,
-    "predicted_n": 32,
-    "predicted_ms": 387.5,
-    "predicted_per_token_ms": 12.5,
-    "predicted_per_second": 80.0,
-    "draft_n": 40,
-    "draft_n_accepted": 26,
 }
 
 
