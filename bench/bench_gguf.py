@@ -3,6 +3,7 @@
     python bench/bench_gguf.py decode --model qwen2.5-coder-1.5b [--tokens 64] [--reps 4]
     python bench/bench_gguf.py spec --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
     python bench/bench_gguf.py steps --model qwen2.5-coder-1.5b [--context 300]
+    python bench/bench_gguf.py regime --model qwen2.5-coder-1.5b [--batches 1,2,4,8,16,32]
 
 `decode`: batch 1, greedy, one prompt; specgate's engine and llama-cpp-python's `Llama.generate`
 on the same file in one process, the same thread count, repetitions interleaved; the mean time per
@@ -19,6 +20,15 @@ token prompt: one sequence verifying k tokens (a speculative step), and b sequen
 token each (a batch), repetitions interleaved; the median ms and its ratio to one token. This is
 the cost the goodput controller learns online and trades drafted tokens against.
 
+`regime`: where speculation stops paying, measured and as the routing policy computes it. At each
+concurrency B, B greedy requests of the copy-heavy --categories decode together, plain and with
+--method (as served, the goodput controller; and a static chain of --k drafts), repetitions
+interleaved; aggregate decode tokens/s while all B are decoding (after the last first token, before
+the first finish), so prefill is not counted. The static arm's verification steps are the rows
+telemetry keeps (`spec_steps`: batch tokens, forward ms): the policy's StepCost is fitted on them,
+as a retrain does, and its predicted gain of the best K at each B, and its crossover batch, are
+printed beside the measured ones.
+
 --model / --draft: a GGUF path or a name from bench/models.py (default: the embedded model).
 """
 
@@ -30,6 +40,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +54,7 @@ from specgate.engine.engine import Engine
 from specgate.engine.loader import default_model_source
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.policies.step_cost import StepCost, expected_accepted
 
 PROMPT = "Write a Python function that parses a CSV file and returns a list of dicts."
 SPEC_CATEGORIES = "code,summarization,rag,tool_call,open_chat,translation"
@@ -164,7 +176,7 @@ def spec(args: argparse.Namespace) -> int:
     return 0 if all(same.values()) else 1
 
 
-STEP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STEP_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 
 
 def steps(args: argparse.Namespace) -> int:
@@ -218,6 +230,131 @@ def steps(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(slots=True)
+class _Run:
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (batch tokens, forward ms)
+
+
+def _decode_together(engine: Engine, prompts: list[list[int]], spec: SpecParams | None, n: int) -> _Run:
+    """Run the prompts at once; decode tokens and seconds while every one of them is decoding."""
+    sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    tag = time.perf_counter_ns()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{tag}-{i}", list(ids), sampling, spec)
+    run, started, closed = _Run(), set[str](), False
+    window_start: float | None = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.new_token_ids:
+                started.add(out.request_id)
+            st = out.stats.spec
+            if out.finished and st is not None:
+                run.drafted += st.num_draft_tokens
+                run.accepted += st.num_accepted_tokens
+                run.steps += list(zip(st.per_step_batch_tokens, st.per_step_ms, strict=True))
+        if window_start is not None and not closed:
+            # A step in which one finishes is not counted: from there the batch is smaller.
+            closed = any(out.finished for out in outs)
+            if not closed:
+                run.tokens += sum(len(out.new_token_ids) for out in outs)
+                run.seconds = now - window_start
+        if window_start is None and len(started) == len(prompts):
+            window_start = now
+    return run
+
+
+def _acceptance(mean_accepted: float, k: int) -> float:
+    """The per-position acceptance p whose chain of k accepts `mean_accepted` drafts on average."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accepted(mid, k) < mean_accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def regime(args: argparse.Namespace) -> int:
+    engine = Engine(EngineConfig(model=gguf_path(args.model), prefix_caching=True, kv_cache_bytes=3 << 30))
+    batches = [int(b) for b in args.batches.split(",")]
+    reqs = shipped(max(batches), args.tokens, [c for c in args.categories.split(",") if c])
+    prompts = [
+        engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(
+                r.messages, tools=r.tools, add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for r in reqs
+    ]
+    static = f"{args.method} K={args.k}"
+    fixed = SpecParams(
+        method=args.method, controller="static", num_speculative_tokens=args.k, max_tree_nodes=0
+    )
+    # Calibration, and every prompt's prefill cached before anything is timed: the static arm over
+    # all the prompts at once gives the per-position acceptance p of this mix, which the served
+    # path would have as the class's prior (the goodput controller starts from it) and which the
+    # policy's prediction uses.
+    calib = _decode_together(engine, prompts, fixed, args.tokens)
+    p = _acceptance(args.k * calib.accepted / calib.drafted if calib.drafted else 0.0, args.k)
+    arms: dict[str, SpecParams | None] = {
+        "plain": None,
+        args.method: SpecParams(method=args.method, max_tree_nodes=0, acceptance_prior=round(p, 3)),
+        static: fixed,
+    }
+    rates: dict[tuple[str, int], list[float]] = defaultdict(list)
+    runs: dict[tuple[str, int], _Run] = defaultdict(_Run)
+    for rep in range(args.reps):
+        for b in batches:
+            order = list(arms)[rep % len(arms) :] + list(arms)[: rep % len(arms)]
+            for name in order:
+                r = _decode_together(engine, prompts[:b], arms[name], args.tokens)
+                if r.seconds > 0:
+                    rates[(name, b)].append(r.tokens / r.seconds)
+                total = runs[(name, b)]
+                total.drafted += r.drafted
+                total.accepted += r.accepted
+                total.steps += r.steps
+            print(f"repetition {rep + 1}, batch {b} done", file=sys.stderr, flush=True)
+    cost = StepCost.fit([s for (name, _), r in runs.items() if name == static for s in r.steps], min_steps=10)
+    print(f"\n{os.path.basename(gguf_path(args.model))}: {args.categories}, {args.tokens} greedy tokens")
+    print(f"per-position acceptance of the mix (static K={args.k}, all {len(prompts)} prompts): p = {p:.3f}")
+    if cost is None:
+        print("too few verification steps to fit a step cost curve")
+        return 1
+    print("step cost fitted from the static arm's verification steps (batch tokens: ms):")
+    print(", ".join(f"{t}: {m:.1f}" for t, m in zip(cost.tokens, cost.ms, strict=True)))
+    names = list(arms)[1:]
+    print(
+        "| batch | plain tok/s | "
+        + " | ".join(f"{n} / plain" for n in names)
+        + " | p at this batch | policy's best K, predicted gain |"
+    )
+    print("|---" * (len(names) + 4) + "|")
+    measured_cross: int | None = None
+    for b in batches:
+        base = statistics.median(rates[("plain", b)])
+        ratios = [statistics.median(rates[(n, b)]) / base for n in names]
+        run = runs[(static, b)]
+        p_b = _acceptance(args.k * run.accepted / run.drafted if run.drafted else 0.0, args.k)
+        k = cost.best_k(b, p_b, args.k_max)
+        gain = cost.gain(b, k, p_b) if k else 1.0
+        if measured_cross is None and max(ratios) <= 1.0:
+            measured_cross = b
+        cells = " | ".join(f"{x:.2f}x" for x in ratios)
+        print(f"| {b} | {base:.1f} | {cells} | {p_b:.3f} | K={k}, {gain:.2f}x |")
+    predicted = cost.crossover(p, args.k_max)
+    print(
+        f"crossover: measured {measured_cross} (the first batch measured at which no arm beats plain), "
+        f"the policy's {predicted} (from p of the mix, k_max {args.k_max})"
+    )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -236,8 +373,17 @@ def main() -> int:
     t.add_argument("--context", type=int, default=300)
     t.add_argument("--max-size", type=int, default=64)
     t.add_argument("--reps", type=int, default=5)
+    r = sub.add_parser("regime", help="where speculation stops paying: measured, and the policy's")
+    r.add_argument("--model", default=None)
+    r.add_argument("--categories", default="code,summarization,rag")
+    r.add_argument("--method", default="ngram")
+    r.add_argument("--k", type=int, default=3, help="the static arm's draft length")
+    r.add_argument("--k-max", type=int, default=8, help="the policy's bound on K")
+    r.add_argument("--batches", default="1,2,4,8,16,32")
+    r.add_argument("--tokens", type=int, default=64)
+    r.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
-    return {"decode": decode, "spec": spec, "steps": steps}[args.command](args)
+    return {"decode": decode, "spec": spec, "steps": steps, "regime": regime}[args.command](args)
 
 
 if __name__ == "__main__":

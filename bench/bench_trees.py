@@ -1,20 +1,25 @@
-"""Draft trees against chains, per workload class, for the n-gram, suffix and EAGLE proposers.
+"""Draft trees against chains, per workload class, for the n-gram, suffix, EAGLE and draft-model
+proposers.
 
     python bench/bench_trees.py [--per-class 2] [--max-tokens 96] [--reps 3] [--concurrency 1,4]
                                 [--methods ngram,suffix,eagle] [--tree-nodes 16] [--fixed K]
                                 [--head DIR] [--compile SIZES] [--quick]
+    python bench/bench_trees.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+                                --methods ngram,suffix,draft_model
 
-The default model in its serving dtype, greedy. Every arm runs on one engine (speculation is per
-request), so all arms share the machine's state and, with --compile, one set of compiled steps. Arms:
-plain decoding, and per method a chain (max_tree_nodes 0) and a tree (max_tree_nodes N), both under
-the goodput controller (as served); with --fixed K also a static chain of K drafts against a static
-tree K deep of N nodes (what a tree accepts when its size is not weighed against its cost). Prompts
-are the held-out side of the split the shipped EAGLE head was trained on
-(`gateway.training.eagle.data.prompts`), so the head never saw them. Repetitions are interleaved:
-each repetition runs every class, and within it every arm in turn (the order rotating), prompt by
-prompt at batch 1 and the class's prompts c at a time at concurrency c. The suffix cache of finished
-outputs is scoped per arm and repetition, so no arm learns from another's outputs or from an earlier
-repetition of the same prompts.
+The default model (or --model: a GGUF path or a name from bench/models.py) in its serving dtype,
+greedy; `draft_model` drafts with --draft. --categories takes the served benchmark's prompts of
+those classes instead of the held-out split below (which has no summarization or rag prompts). Every
+arm runs on one engine (speculation is per request), so all arms share the machine's state and, with
+--compile, one set of compiled steps. Arms: plain decoding, and per method a chain (max_tree_nodes
+0) and a tree (max_tree_nodes N), both under the goodput controller (as served); with --fixed K also
+a static chain of K drafts against a static tree K deep of N nodes (what a tree accepts when its
+size is not weighed against its cost). Prompts are by default the held-out side of the split the
+shipped EAGLE head was trained on (`gateway.training.eagle.data.prompts`), so the head never saw
+them. Repetitions are interleaved: each repetition runs every class, and within it every arm in turn
+(the order rotating), prompt by prompt at batch 1 and the class's prompts c at a time at concurrency
+c. The suffix cache of finished outputs is scoped per arm and repetition, so no arm learns from
+another's outputs or from an earlier repetition of the same prompts.
 
 Reported per concurrency and class: tokens/s, and per method chain and tree tokens/s with the mean
 accepted length (tokens per verification step, the bonus token included) and the tree's mean drafted
@@ -35,6 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import transformers
 
+from specgate.bench.models import resolve
+from specgate.bench.serve.datasets import shipped
 from specgate.engine.config import DEFAULT_COMPILE_SIZES, EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
@@ -42,7 +49,7 @@ from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.settings import default_cache_dir
 from specgate.gateway.training.eagle.data import chat_ids, prompts
 
-K_MAX = {"ngram": 10, "suffix": 10, "eagle": 6}
+K_MAX = {"ngram": 10, "suffix": 10, "eagle": 6, "draft_model": 6}
 EAGLE_GOAL_CLASSES = ("open_chat", "qa", "math_reasoning")
 
 
@@ -96,23 +103,37 @@ def pairs(methods: list[str], fixed: int) -> list[tuple[str, str, str]]:
 
 
 def run_batch(
-    engine: Engine, batch: list[list[int]], spec: SpecParams | None, max_tokens: int, scope: str
+    engine: Engine,
+    batch: list[list[int]],
+    spec: SpecParams | None,
+    max_tokens: int,
+    scope: str,
+    after_prefill: bool = False,
 ) -> Tally:
-    """Submit `batch` at once and run it to completion; the batch's totals."""
+    """Submit `batch` at once and run it to completion; the batch's totals. With `after_prefill`,
+    tokens and seconds count only from when every request has its first token: long prompts' prefill
+    (cached for every arm but the first to run a prompt) would otherwise weigh more than decoding."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     tag = time.perf_counter_ns()
     for i, ids in enumerate(batch):
         engine.add_request(f"{scope}-{tag}-{i}", ids, params, spec, cache_scope=scope)
     t = Tally()
     start = time.perf_counter()
+    started: set[str] = set()
+    counting = not after_prefill
     while engine.has_unfinished():
         for out in engine.step():
-            t.tokens += len(out.new_token_ids)
+            if counting:
+                t.tokens += len(out.new_token_ids)
+            if out.new_token_ids:
+                started.add(out.request_id)
             st = out.stats.spec
             if out.finished and st is not None:
                 t.drafts += st.num_drafts
                 t.accepted += st.num_accepted_tokens
                 t.nodes += st.num_draft_tokens
+        if not counting and len(started) == len(batch):
+            counting, start = True, time.perf_counter()
     t.seconds = time.perf_counter() - start
     return t
 
@@ -130,6 +151,17 @@ def main() -> None:
         "--fixed", type=int, default=0, help="also static chains of K against static trees K deep"
     )
     ap.add_argument("--head", default=None, help="EAGLE head directory (default: the shipped one)")
+    ap.add_argument("--model", default=None, help="target: a GGUF path or a bench/models.py name")
+    ap.add_argument("--draft", default=None, help="draft model of the draft_model method")
+    ap.add_argument(
+        "--after-prefill", action="store_true", help="time decoding only, from every request's first token"
+    )
+    ap.add_argument(
+        "--categories",
+        default="",
+        help="prompts of these served-benchmark categories (e.g. code,summarization,rag) instead of "
+        "the EAGLE head's held-out split",
+    )
     ap.add_argument(
         "--compile", default="", help="compiled step sizes, e.g. 1,2,4,8,16,32 ('default': 1,2,4,8,16)"
     )
@@ -148,22 +180,38 @@ def main() -> None:
         sizes = tuple(int(s) for s in args.compile.split(","))
     methods = [m for m in args.methods.split(",") if m]
     arm_specs = arms(methods, args.tree_nodes, args.fixed)
+    options: dict[str, dict[str, object]] = {"eagle": {"head": args.head}} if args.head else {}
+    if "draft_model" in methods:
+        if not args.draft:
+            raise SystemExit("the draft_model method needs --draft")
+        options["draft_model"] = {"model": resolve(args.draft)}
+    model = {"model": resolve(args.model)} if args.model else {}
     engine = Engine(
         EngineConfig(
+            **model,  # type: ignore[arg-type]
             convert_cache_dir=default_cache_dir(),
             num_threads=args.threads,
             kv_cache_bytes=2**30,
             compile_sizes=sizes,
-            proposer_options={"eagle": {"head": args.head}} if args.head else {},
+            proposer_options=options,
         )
     )
     tok = engine.tokenizer
-    _, held_out = prompts(0, args.per_class)
     by_class: dict[str, list[list[int]]] = defaultdict(list)
-    for cat, text in held_out:
-        ids = chat_ids(tok, text, args.max_prompt_tokens)
-        if ids:
-            by_class[cat].append(ids)
+    if args.categories:
+        # The served benchmark's prompts (Spec-Bench, HumanEval, BFCL ...), whole: copy-heavy classes
+        # such as summarization and rag live there, and their long contexts are the point.
+        for req in shipped(args.per_class, args.max_tokens, args.categories.split(",")):
+            text = tok.apply_chat_template(
+                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
+            )
+            by_class[req.category].append(tok.encode(text, add_special_tokens=False))
+    else:
+        _, held_out = prompts(0, args.per_class)
+        for cat, text in held_out:
+            ids = chat_ids(tok, text, args.max_prompt_tokens)
+            if ids:
+                by_class[cat].append(ids)
     classes = sorted(by_class)
     warm = tok.encode("Warm-up: the quick brown fox jumps over the lazy dog. " * 4)
     for spec in arm_specs.values():  # first calls pay one-off costs; every proposer is built here
@@ -187,7 +235,9 @@ def main() -> None:
                     order = names[turn % len(names) :] + names[: turn % len(names)]
                     turn += 1
                     for arm in order:
-                        got = run_batch(engine, batch, arm_specs[arm], args.max_tokens, f"{arm}/{rep}")
+                        got = run_batch(
+                            engine, batch, arm_specs[arm], args.max_tokens, f"{arm}/{rep}", args.after_prefill
+                        )
                         tally[c, cat, arm].add(got)
             print(f"repetition {rep + 1}/{args.reps}, concurrency {c} done", file=sys.stderr, flush=True)
     compared = pairs(methods, args.fixed)

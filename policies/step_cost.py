@@ -9,8 +9,13 @@ T(n) the wall time of a step over n tokens, speculation's goodput relative to pl
 
 which is above 1 while steps are memory-bound (T nearly flat in n) and falls below it once they
 are compute-bound. T is measured, not assumed: the `spec_steps` telemetry rows (batch tokens,
-step ms) give a median per power-of-two bucket of tokens, made non-decreasing, and interpolated
-between buckets (linear in tokens beyond the last). So the crossover follows each machine and
+step ms) give a median per bucket of tokens (each size up to 16, then four buckets per doubling:
+kernels pass over a few rows at a time, so a step's cost is not smooth at small sizes), made
+non-decreasing, and interpolated
+between buckets (linear in tokens beyond the last; below the first, along the first segment, never
+under a cost proportional to tokens: verification steps hold at least two tokens, so plain decoding's
+one-token step is rarely measured, and taking it to cost what the smallest measured step did would
+overstate speculation's gain at low batch by that step's premium). So the crossover follows each machine and
 model instead of one constant (vLLM measured acceptance steady from batch 1 to 32 while the
 speedup went from +23% to -16%: acceptance alone cannot tell).
 
@@ -28,6 +33,15 @@ from typing import Any
 MIN_STEPS = 50  # measured steps before a curve is trusted
 MIN_BUCKET_STEPS = 3
 MAX_BATCH = 4096  # crossover search bound, in sequences
+EXACT_TOKENS = 16
+
+
+def _bucket(tokens: int) -> int:
+    """Each size up to EXACT_TOKENS its own bucket; beyond, a quarter of a doubling each."""
+    if tokens <= EXACT_TOKENS:
+        return tokens
+    octave = tokens.bit_length() - 1
+    return EXACT_TOKENS + 4 * octave + ((tokens >> (octave - 2)) & 3)
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -61,7 +75,7 @@ class StepCost:
         for tokens, ms in steps:
             if tokens is None or ms is None or tokens < 1 or not 0 < ms < 1e6:
                 continue
-            buckets.setdefault(int(tokens).bit_length(), []).append((int(tokens), float(ms)))
+            buckets.setdefault(_bucket(int(tokens)), []).append((int(tokens), float(ms)))
             n += 1
         if n < min_steps:
             return None
@@ -85,7 +99,10 @@ class StepCost:
         """Step ms over `tokens` tokens."""
         xs, ys = self.tokens, self.ms
         if tokens <= xs[0]:
-            return ys[0]
+            if len(xs) < 2 or tokens == xs[0]:
+                return ys[0]
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            return max(ys[0] - slope * (xs[0] - tokens), ys[0] * tokens / xs[0])
         i = bisect.bisect_left(xs, tokens)
         if i < len(xs):
             x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]

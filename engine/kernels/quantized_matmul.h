@@ -291,11 +291,13 @@ SG_AVX512 static void panel_avx512(const Matrix& m, int64_t p, const Act& a, int
                                    int64_t ld) {
   int64_t r = r0;
   for (; r + ROWS <= r1; r += ROWS) panel512<TYPE, ROWS>(m, p, a, r, y, ld);
-  if (r + 4 <= r1) {
-    panel512<TYPE, 4>(m, p, a, r, y, ld);
-    r += 4;
-  }
+  // The rest in one pass: each pass unpacks the panel's codes again, so 5-7 rows as 4 + 1..3 cost
+  // about what 8 rows do (a draft of 4-6 tokens paid for 8).
   switch (r1 - r) {
+    case 7: panel512<TYPE, 7>(m, p, a, r, y, ld); break;
+    case 6: panel512<TYPE, 6>(m, p, a, r, y, ld); break;
+    case 5: panel512<TYPE, 5>(m, p, a, r, y, ld); break;
+    case 4: panel512<TYPE, 4>(m, p, a, r, y, ld); break;
     case 3: panel512<TYPE, 3>(m, p, a, r, y, ld); break;
     case 2: panel512<TYPE, 2>(m, p, a, r, y, ld); break;
     case 1: panel512<TYPE, 1>(m, p, a, r, y, ld); break;

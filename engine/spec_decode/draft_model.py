@@ -3,6 +3,12 @@
 It runs in the same process with its own paged KV cache. Before drafting it rewinds its cache to
 the longest prefix it shares with the request's committed tokens (rollback = truncation), so
 rejected drafts cost nothing to undo.
+
+A greedy request asked for a tree gets the chain plus, at each depth, the draft's runner-up tokens
+as leaves beside the chain's node there: they cost no draft pass (they come from the logits that
+chose the chain's token), and when the target turns the chain down at that depth it often picks the
+draft's second choice. The draft's probabilities are the nodes' scores, so the goodput controller
+keeps only the leaves that pay. A sampled request gets a chain (its drafts are draws).
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        # Greedy tree requests: per depth, the chain token's draft probability and the runner-ups'.
+        tops: list[list[tuple[float, list[tuple[int, float]]]]] = [[] for _ in requests]
         live: list[int] = []
         feed: list[list[int]] = []
         for i, r in enumerate(requests):
@@ -125,9 +133,41 @@ class DraftModelProposer:
                 token, q = draw_draft(processed[j], rows[j])
                 if q is not None:
                     probs[i].append(q)
+                elif r.max_nodes > r.k:
+                    tops[i].append(_runner_ups(processed[j], token, r.max_nodes - r.k))
                 drafts[i].append(token)
                 if len(drafts[i]) < r.k:
                     next_live.append(i)
                     next_feed.append([token])
             live, feed = next_live, next_feed
-        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs, strict=True)]
+        out = []
+        for i, r in enumerate(requests):
+            if tops[i] and len(drafts[i]) < r.max_nodes:
+                out.append(_tree(drafts[i], tops[i], r.max_nodes))
+            else:
+                out.append(Proposal(drafts[i], torch.stack(probs[i]) if probs[i] else None))
+        return out
+
+
+def _runner_ups(processed: torch.Tensor, chosen: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's draft probability and the next `n` best (token, probability), from the
+    processed logits [vocab] of one draft position."""
+    p = processed.float().softmax(dim=-1)  # [vocab]
+    top = torch.topk(p, min(n + 1, p.shape[-1]))
+    alts = [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True) if int(t) != chosen]
+    return float(p[chosen]), [(t, v) for t, v in alts[:n] if v > 0.0]
+
+
+def _tree(chain: list[int], tops: list[tuple[float, list[tuple[int, float]]]], max_nodes: int) -> Proposal:
+    """The chain and the best runner-up leaves by path probability, in depth-first order (the chain
+    first, then the leaves deepest first, each depth's best first), at most `max_nodes` nodes."""
+    reach = [1.0]  # draft probability of reaching depth j along the chain
+    for p_chain, _ in tops[: len(chain)]:
+        reach.append(reach[-1] * p_chain)
+    leaves = [(reach[j] * p, j, token) for j, (_, alts) in enumerate(tops[: len(chain)]) for token, p in alts]
+    leaves.sort(key=lambda x: -x[0])
+    kept = sorted(leaves[: max_nodes - len(chain)], key=lambda x: (-x[1], -x[0]))
+    tokens = [*chain, *(t for _, _, t in kept)]
+    parents = [*range(-1, len(chain) - 1), *(j - 1 for _, j, _ in kept)]
+    scores = [*(p for p, _ in tops[: len(chain)]), *(s / reach[j] for s, j, _ in kept)]
+    return Proposal(tokens, parents=parents, scores=scores)

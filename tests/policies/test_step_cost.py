@@ -53,6 +53,21 @@ def test_fit_recovers_the_curve_from_noisy_steps() -> None:
     assert StepCost.fit([(0, 5.0), (3, float("nan")), (4, -1.0)] * 40) is None  # nothing valid
 
 
+def test_a_curve_fitted_on_verification_steps_alone_prices_a_one_token_step() -> None:
+    # Speculative steps hold 2+ tokens; plain decoding's 1-token step is priced along the first
+    # measured segment (not as the cheapest measured step, which would inflate every gain at batch 1).
+    steps = [(n, linear(n)) for n in (2, 4, 8, 16) for _ in range(15)]
+    cost = StepCost.fit(steps)
+    assert cost is not None and cost.tokens[0] == 2
+    assert cost.at(1) == pytest.approx(linear(1), rel=0.01)
+    want = (1 + expected_accepted(0.7, 3)) * linear(1) / linear(4)
+    assert cost.gain(1, 3, 0.7) == pytest.approx(want, rel=0.02)
+    # Never below a cost proportional to tokens, however steep the first segment.
+    steep = StepCost([4, 8], [10.0, 40.0], 100)
+    assert steep.at(2) == pytest.approx(5.0) and steep.at(4) == 10.0
+    assert StepCost([4], [10.0], 100).at(1) == 10.0  # one point: flat
+
+
 def test_crossover_is_where_no_draft_length_pays() -> None:
     cost = exact()
     for p, k_max in ((0.7, 4), (0.5, 8), (0.9, 3)):

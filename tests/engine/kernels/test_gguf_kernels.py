@@ -93,7 +93,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(levels: list[int]) -> None:
             ops().qmatmul(x[r : r + 1], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
             for r in range(70)
         ]
-        for n in (2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 70):
+        for n in (2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 64, 65, 70):
             batch = ops().qmatmul(x[:n], [w, w6], [12, 14], [50, 30], 512, [torch.empty(0)] * 2)
             for r in range(n):
                 assert torch.equal(batch[r], alone[r][0]), (level, n, r)

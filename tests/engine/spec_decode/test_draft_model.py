@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from specgate.engine import draft_tree
 from specgate.engine.block_manager import blocks_for
 from specgate.engine.sampler import SamplingRow, process_logits
 from specgate.engine.sampling_params import SamplingParams
@@ -150,6 +151,50 @@ def test_sampled_drafts_come_with_their_distributions(
         expected = process_logits(last_logits(reference, prefix), [row]).softmax(dim=-1)[0]
         assert torch.allclose(sampled.probs[j], expected, atol=1e-4), f"position {j}"
         assert sampled.probs[j, token] > 0
+
+
+def test_greedy_trees_hang_the_drafts_runner_ups_beside_the_chain(
+    make_proposer: Callable[[], DraftModelProposer], reference: PreTrainedModel
+) -> None:
+    proposer = make_proposer()
+    a = prompt(13, seed=8)
+    proposer.start("t", a)
+    req = request("t", a, k=4)
+    req.max_nodes = 10
+    tree = proposer.propose([req])[0]
+    chain = greedy_continuation(reference, a, 4)
+    assert tree.parents is not None and tree.scores is not None and tree.probs is None
+    assert draft_tree.is_valid(tree.parents) and len(tree.token_ids) == 10
+    assert [tree.token_ids[i] for i in draft_tree.first_path(tree.parents)] == chain
+    assert max(draft_tree.depths(tree.parents)) == 4
+    ranks = draft_tree.ranks(tree.parents)
+    for node in range(4, 10):  # every other node is a leaf beside the chain: a runner-up of its depth
+        parent = tree.parents[node]
+        assert -1 <= parent <= 2, "a leaf hangs off the root or a chain node"
+        assert node == 4 or parent <= tree.parents[node - 1], "depth first: the deepest leaves first"
+        assert ranks[node] >= 1 and node not in tree.parents
+        prefix = [*a, *chain[: parent + 1]]
+        p = last_logits(reference, prefix).softmax(dim=-1)[0]
+        assert tree.token_ids[node] != chain[parent + 1]
+        assert tree.scores[node] == pytest.approx(float(p[tree.token_ids[node]]), rel=1e-4)
+        # no token left out at this depth is likelier than one kept
+        assert float(p[tree.token_ids[node]]) >= float(p.topk(1 + ranks[node]).values[-1]) - 1e-6
+    for j in range(4):
+        p = last_logits(reference, [*a, *chain[:j]]).softmax(dim=-1)[0]
+        assert tree.scores[j] == pytest.approx(float(p[chain[j]]), rel=1e-4)
+
+
+def test_sampled_and_small_tree_requests_get_chains(make_proposer: Callable[[], DraftModelProposer]) -> None:
+    proposer = make_proposer()
+    a = prompt(10, seed=9)
+    proposer.start("s", a)
+    proposer.start("c", a)
+    sampled = request("s", a, k=3, params=SamplingParams(temperature=0.9, max_tokens=64), seed=1)
+    sampled.max_nodes = 12
+    small = request("c", a, k=3)
+    small.max_nodes = 3
+    for prop in proposer.propose([sampled, small]):
+        assert prop.parents is None and len(prop.token_ids) == 3
 
 
 @pytest.mark.parametrize("target_vocab", [90, 100])

@@ -167,7 +167,7 @@ def test_the_target_as_its_own_draft_accepts_everything(
     make_engine: Callable[..., Engine], tiny_llama_dir: Path
 ) -> None:
     engine = make_engine(proposer_options={"draft_model": {"model": str(tiny_llama_dir)}})
-    spec = SpecParams(method="draft_model", controller="static", num_speculative_tokens=4)
+    spec = SpecParams(method="draft_model", controller="static", num_speculative_tokens=4, max_tree_nodes=0)
     engine.add_request("a", prompts([9])[0], SamplingParams(max_tokens=41, **GREEDY), spec)
     stats = run_to_completion(engine)["a"][-1].stats.spec
     assert stats is not None

@@ -17,7 +17,7 @@ from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, proposer_options, repetitive_prompts
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts, run_to_completion, tokens
 
-TREE_METHODS = ["ngram", "suffix", "eagle"]
+TREE_METHODS = ["ngram", "suffix", "eagle", "draft_model"]
 
 
 def tree_options(method: str, tiny_draft_dir: Path, tiny_eagle_dir: Path) -> dict:
