@@ -54,6 +54,7 @@ from specgate.engine.engine import Engine
 from specgate.engine.loader import default_model_source
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.backends.embedded.chat_template import render_chat
 from specgate.policies.step_cost import StepCost, expected_accepted
 
 PROMPT = "Write a Python function that parses a CSV file and returns a list of dicts."
@@ -138,10 +139,7 @@ def spec(args: argparse.Namespace) -> int:
     accepted: dict[tuple[str, str], list[float]] = defaultdict(list)
     same: dict[str, bool] = {name: True for name in arms}
     for i, req in enumerate(shipped(args.per_category, args.tokens, categories)):
-        text = engine.tokenizer.apply_chat_template(
-            req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
-        )
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = render_chat(engine.tokenizer, req.messages, req.tools)
         plain: list[int] = []
         for name, params in arms.items():
             sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -238,6 +236,15 @@ class _Run:
     accepted: int = 0
     steps: list[tuple[int, float]] = field(default_factory=list)  # (batch tokens, forward ms)
 
+    def acceptance(self, k: int) -> float:
+        """The per-position acceptance p whose chain of k accepts what this static-K run did."""
+        mean = k * self.accepted / self.drafted if self.drafted else 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if expected_accepted(mid, k) < mean else (lo, mid)
+        return (lo + hi) / 2
+
 
 def _decode_together(engine: Engine, prompts: list[list[int]], spec: SpecParams | None, n: int) -> _Run:
     """Run the prompts at once; decode tokens and seconds while every one of them is decoding."""
@@ -269,28 +276,11 @@ def _decode_together(engine: Engine, prompts: list[list[int]], spec: SpecParams 
     return run
 
 
-def _acceptance(mean_accepted: float, k: int) -> float:
-    """The per-position acceptance p whose chain of k accepts `mean_accepted` drafts on average."""
-    lo, hi = 0.0, 1.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_accepted(mid, k) < mean_accepted else (lo, mid)
-    return (lo + hi) / 2
-
-
 def regime(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(model=gguf_path(args.model), prefix_caching=True, kv_cache_bytes=3 << 30))
     batches = [int(b) for b in args.batches.split(",")]
     reqs = shipped(max(batches), args.tokens, [c for c in args.categories.split(",") if c])
-    prompts = [
-        engine.tokenizer.encode(
-            engine.tokenizer.apply_chat_template(
-                r.messages, tools=r.tools, add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )
-        for r in reqs
-    ]
+    prompts = [render_chat(engine.tokenizer, r.messages, r.tools) for r in reqs]
     static = f"{args.method} K={args.k}"
     fixed = SpecParams(
         method=args.method, controller="static", num_speculative_tokens=args.k, max_tree_nodes=0
@@ -300,7 +290,7 @@ def regime(args: argparse.Namespace) -> int:
     # path would have as the class's prior (the goodput controller starts from it) and which the
     # policy's prediction uses.
     calib = _decode_together(engine, prompts, fixed, args.tokens)
-    p = _acceptance(args.k * calib.accepted / calib.drafted if calib.drafted else 0.0, args.k)
+    p = calib.acceptance(args.k)
     arms: dict[str, SpecParams | None] = {
         "plain": None,
         args.method: SpecParams(method=args.method, max_tree_nodes=0, acceptance_prior=round(p, 3)),
@@ -339,8 +329,7 @@ def regime(args: argparse.Namespace) -> int:
     for b in batches:
         base = statistics.median(rates[("plain", b)])
         ratios = [statistics.median(rates[(n, b)]) / base for n in names]
-        run = runs[(static, b)]
-        p_b = _acceptance(args.k * run.accepted / run.drafted if run.drafted else 0.0, args.k)
+        p_b = runs[(static, b)].acceptance(args.k)
         k = cost.best_k(b, p_b, args.k_max)
         gain = cost.gain(b, k, p_b) if k else 1.0
         if measured_cross is None and max(ratios) <= 1.0:

@@ -46,6 +46,7 @@ from specgate.engine.config import DEFAULT_COMPILE_SIZES, EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.gateway.backends.embedded.chat_template import render_chat
 from specgate.gateway.settings import default_cache_dir
 from specgate.gateway.training.eagle.data import chat_ids, prompts
 
@@ -202,10 +203,7 @@ def main() -> None:
         # The served benchmark's prompts (Spec-Bench, HumanEval, BFCL ...), whole: copy-heavy classes
         # such as summarization and rag live there, and their long contexts are the point.
         for req in shipped(args.per_class, args.max_tokens, args.categories.split(",")):
-            text = tok.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
-            )
-            by_class[req.category].append(tok.encode(text, add_special_tokens=False))
+            by_class[req.category].append(render_chat(tok, req.messages, req.tools))
     else:
         _, held_out = prompts(0, args.per_class)
         for cat, text in held_out:

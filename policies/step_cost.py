@@ -11,13 +11,12 @@ which is above 1 while steps are memory-bound (T nearly flat in n) and falls bel
 are compute-bound. T is measured, not assumed: the `spec_steps` telemetry rows (batch tokens,
 step ms) give a median per bucket of tokens (each size up to 16, then four buckets per doubling:
 kernels pass over a few rows at a time, so a step's cost is not smooth at small sizes), made
-non-decreasing, and interpolated
-between buckets (linear in tokens beyond the last; below the first, along the first segment, never
-under a cost proportional to tokens: verification steps hold at least two tokens, so plain decoding's
-one-token step is rarely measured, and taking it to cost what the smallest measured step did would
-overstate speculation's gain at low batch by that step's premium). So the crossover follows each machine and
-model instead of one constant (vLLM measured acceptance steady from batch 1 to 32 while the
-speedup went from +23% to -16%: acceptance alone cannot tell).
+non-decreasing, and interpolated between buckets; beyond the last, linear in tokens; below the
+first, along the first segment but never under a cost proportional to tokens. Verification steps
+hold at least two tokens, so plain decoding's one-token step is rarely measured, and pricing it at
+the smallest measured step would overstate speculation's gain at low batch by that step's premium.
+So the crossover follows each machine and model instead of one constant (vLLM measured acceptance
+steady from batch 1 to 32 while the speedup went from +23% to -16%: acceptance alone cannot tell).
 
 Expected accepted drafts of a chain of k with per-position acceptance p: p (1 - p^k) / (1 - p).
 """

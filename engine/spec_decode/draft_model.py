@@ -142,7 +142,7 @@ class DraftModelProposer:
             live, feed = next_live, next_feed
         out = []
         for i, r in enumerate(requests):
-            if tops[i] and len(drafts[i]) < r.max_nodes:
+            if tops[i]:  # only where max_nodes > k >= the chain's length
                 out.append(_tree(drafts[i], tops[i], r.max_nodes))
             else:
                 out.append(Proposal(drafts[i], torch.stack(probs[i]) if probs[i] else None))
@@ -160,14 +160,15 @@ def _runner_ups(processed: torch.Tensor, chosen: int, n: int) -> tuple[float, li
 
 def _tree(chain: list[int], tops: list[tuple[float, list[tuple[int, float]]]], max_nodes: int) -> Proposal:
     """The chain and the best runner-up leaves by path probability, in depth-first order (the chain
-    first, then the leaves deepest first, each depth's best first), at most `max_nodes` nodes."""
+    first, then the leaves deepest first, each depth's best first), at most `max_nodes` nodes.
+    tops[j]: the chain token's probability at depth j + 1 and that depth's runner-ups."""
     reach = [1.0]  # draft probability of reaching depth j along the chain
-    for p_chain, _ in tops[: len(chain)]:
+    for p_chain, _ in tops:
         reach.append(reach[-1] * p_chain)
-    leaves = [(reach[j] * p, j, token) for j, (_, alts) in enumerate(tops[: len(chain)]) for token, p in alts]
+    leaves = [(reach[j] * p, j, token) for j, (_, alts) in enumerate(tops) for token, p in alts]
     leaves.sort(key=lambda x: -x[0])
     kept = sorted(leaves[: max_nodes - len(chain)], key=lambda x: (-x[1], -x[0]))
     tokens = [*chain, *(t for _, _, t in kept)]
     parents = [*range(-1, len(chain) - 1), *(j - 1 for _, j, _ in kept)]
-    scores = [*(p for p, _ in tops[: len(chain)]), *(s / reach[j] for s, j, _ in kept)]
+    scores = [*(p for p, _ in tops), *(s / reach[j] for s, j, _ in kept)]
     return Proposal(tokens, parents=parents, scores=scores)
