@@ -37,9 +37,11 @@ One run, in four phases:
      forced, and the report says so); exploration goes back to its defaults (5%, cap 10%).
   3. Evaluation: each arm on a fresh gateway process over a copy of that telemetry database (no
      arm sees another's answers or suffix caches), the arms in a rotated order in each of --reps
-     repetitions. Arms: each static arm (forced with the `spec` extension), `rules` (the fresh
-     install's rule policy, version 1: the constant batch guard), `learned` (the retrained policy)
-     and `learned_greedy` (the same with `deviation_z` 0). Every arm replays the same evaluation
+     repetitions. Arms: each static arm (forced with the `spec` extension: a method under the
+     engine's goodput controller, or METHOD:kN, a fixed chain of N drafts a step, as vLLM's
+     num_speculative_tokens runs it), `rules` (the fresh install's rule policy, version 1: the
+     constant batch guard), `learned` (the retrained policy) and `learned_greedy` (the same with
+     `deviation_z` 0). Every arm replays the same evaluation
      schedule (same prompts, offsets and temperatures) in an open loop, at most --max-in-flight
      requests in flight.
   4. Report, per arm and period (all, light, medium, overload): goodput per request (output tokens /
@@ -84,7 +86,7 @@ import openai
 from specgate.bench.serve import arrivals, datasets
 from specgate.bench.serve.harness import start_local_gateway
 from specgate.bench.serve.metrics import RequestResult
-from specgate.bench.serve.runner import POLICY, open_loop, send
+from specgate.bench.serve.runner import POLICY, open_loop, send, spec_of
 
 ADMIN_KEY = "bench-policy-admin"
 # Routed by the gateway's policy, not forced. `learned_greedy` is the same retrained policy with
@@ -696,7 +698,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--train-exploration", type=float, default=0.75, help="training traffic's exploration rate"
     )
-    p.add_argument("--arms", default="plain,ngram,suffix,eagle", help="static arms: plain and proposer names")
+    p.add_argument(
+        "--arms",
+        default="plain,ngram,suffix,eagle",
+        help="static arms: plain, proposer names (K by the controller), METHOD:kN (a fixed chain of N)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -720,6 +726,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     static = args.arms.split(",")
     if "plain" not in static or len(static) < 2:
         p.error("--arms needs plain and at least one proposer")
+    for arm in static:
+        try:
+            spec_of(arm)
+        except ValueError as e:
+            p.error(str(e))
     if args.max_tokens < MIN_TOKENS:
         p.error(f"--max-tokens must be at least {MIN_TOKENS}")
     if min(args.code_requests, args.conv_requests) < 3:

@@ -15,8 +15,23 @@ from specgate.bench.serve.metrics import RequestResult, summarize
 from specgate.bench.serve.peer_server import PEER
 
 # An arm is how requests ask to be served: "policy" leaves speculation to the gateway's router;
-# anything else forces it through specgate's `spec` extension ("plain" turns it off).
+# anything else forces it through specgate's `spec` extension ("plain" turns it off). "METHOD:kN"
+# is the method with a fixed chain of N drafts a step (static controller, no trees): speculation as
+# vLLM's num_speculative_tokens configures it, whatever the load or the acceptance.
 POLICY, PLAIN = "policy", "plain"
+
+
+def spec_of(arm: str) -> dict[str, Any]:
+    """The `spec` extension that forces an arm ("plain", a method, or "METHOD:kN")."""
+    if arm == PLAIN:
+        return {"method": "off"}
+    method, _, fixed = arm.partition(":")
+    if not fixed:
+        return {"method": method}
+    if not (fixed.startswith("k") and fixed[1:].isdigit() and int(fixed[1:]) > 0):
+        raise ValueError(f"arm {arm!r}: a fixed chain is METHOD:kN with N > 0")
+    k = int(fixed[1:])
+    return {"method": method, "controller": "static", "num_speculative_tokens": k, "max_tree_nodes": 0}
 
 
 def arm_body(arm: str, cache_salt: str | None = None) -> dict[str, Any] | None:
@@ -26,7 +41,7 @@ def arm_body(arm: str, cache_salt: str | None = None) -> dict[str, Any] | None:
         return None
     body: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
     if arm != POLICY:
-        body["spec"] = {"method": "off" if arm == PLAIN else arm}
+        body["spec"] = spec_of(arm)
     return body or None
 
 

@@ -68,6 +68,24 @@ static Act view(const Activations& a) {
   return {a.q.data(), a.xs.data(), a.gs.data(), a.s32.data(), a.s16.data(), a.K, a.K / 32};
 }
 
+#if SG_X86
+// One block of 32 as the scalar loop below quantizes it (the same float product, rounded half to
+// even by the default MXCSR mode as lrint does). Every activation of every layer goes through here:
+// one value at a time it took 3-8% of a forward pass of the 1.5B model (1 to 16 tokens).
+SG_AVX512 static inline void quantize_block512(const float* v, int8_t* out, float& scale, int32_t& lo,
+                                                int32_t& hi) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtsepi32_epi8(qb));
+  lo = _mm512_reduce_add_epi32(qa);
+  hi = _mm512_reduce_add_epi32(qb);
+  scale = amax / 127.f;
+}
+#endif
+
 // Rows of float activations [rows, in] (contiguous), in a multiple of 32; each row is padded with
 // zeros to the panels' row length.
 static void quantize_activations(const float* xp, int64_t rows, int64_t in, Activations& a) {
@@ -93,14 +111,22 @@ static void quantize_activations(const float* xp, int64_t rows, int64_t in, Acti
           a.s32[k] = a.s16[2 * k] = a.s16[2 * k + 1] = 0;
           continue;
         }
-        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
-        float inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 32; i++) {
-          out[i] = (int8_t)std::lrint(v[i] * inv);
-          (i < 16 ? lo : hi) += out[i];
+        float scale;
+#if SG_X86
+        if (isa() >= 2) {
+          quantize_block512(v, out, scale, lo, hi);
+        } else
+#endif
+        {
+          for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
+          float inv = amax > 0.f ? 127.f / amax : 0.f;
+          for (int i = 0; i < 32; i++) {
+            out[i] = (int8_t)std::lrint(v[i] * inv);
+            (i < 16 ? lo : hi) += out[i];
+          }
+          scale = amax / 127.f;
         }
-        float scale = amax / 127.f;
         int64_t k = r * nb + b;
         a.xs[k] = scale;
         a.s32[k] = lo + hi;

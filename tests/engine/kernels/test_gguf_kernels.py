@@ -83,6 +83,30 @@ def test_products_are_the_weights_times_the_quantized_activations(qtype: T, leve
             assert float((y - results[0]).abs().max() / results[0].abs().max()) < 2e-6
 
 
+def test_activation_codes_round_half_to_even_alike_on_every_path(levels: list[int]) -> None:
+    """Each path quantizes activations itself (AVX-512 sixteen at a time): ties, zeros, an all-zero
+    block and the largest value come out as the same codes and scales. With identity weights each
+    output is one code times its scales, so any difference shows."""
+    eye = quantize(np.eye(64, dtype=np.float32), T.Q8_0)
+    w = ops().repack(torch.from_numpy(eye), int(T.Q8_0.value), 64)
+    x = torch.zeros(3, 64)
+    x[0, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -1.5, 126.5] * 4)  # scale 1: exact ties
+    x[0, 32:] = torch.linspace(-3, 3, 32)
+    x[1, :32] = torch.randn(32, generator=torch.Generator().manual_seed(9))
+    x[2, 5] = -1e-30  # a block whose only value is tiny
+    d = float(np.frombuffer(eye[0, :2].tobytes(), dtype=np.float16)[0])
+    codes = torch.round(x[0, :8]).to(torch.float32)  # round half to even: 2, -4, 0, -0, 2, -2, 126
+    expected = (codes * 127) * (np.float32(d) * np.float32(127.0 / 127.0))
+    outputs = []
+    for level in levels:
+        ops().set_isa_level(level)
+        outputs.append(ops().qmatmul(x, [w], [8], [64], 64, [torch.empty(0)]))
+    assert torch.equal(outputs[0][0, :8], expected)
+    assert outputs[0][2, 5] < 0
+    for y in outputs[1:]:
+        assert torch.equal(y, outputs[0])
+
+
 def test_a_rows_result_does_not_depend_on_its_batch(levels: list[int]) -> None:
     w, _ = packed(T.Q4_K, 50, 512)
     w6, _ = packed(T.Q6_K, 30, 512)
