@@ -98,12 +98,13 @@ static void quantize_activations(const float* xp, int64_t rows, int64_t in, Acti
   a.gs.resize(rows * nb);
   a.s32.resize(rows * nb);
   a.s16.resize(rows * nb * 2);
+  const bool v512 = SG_X86 && isa() >= 2;  // read once, not per block
+  (void)v512;
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
       for (int64_t b = 0; b < nb; b++) {
         const float* v = xp + r * in + 32 * b;
         int8_t* out = a.q.data() + r * K + 32 * b;
-        float amax = 0.f;
         if (32 * b >= in) {  // the padding
           std::memset(out, 0, 32);
           int64_t k = r * nb + b;
@@ -114,11 +115,12 @@ static void quantize_activations(const float* xp, int64_t rows, int64_t in, Acti
         int32_t lo = 0, hi = 0;
         float scale;
 #if SG_X86
-        if (isa() >= 2) {
+        if (v512) {
           quantize_block512(v, out, scale, lo, hi);
         } else
 #endif
         {
+          float amax = 0.f;
           for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
           float inv = amax > 0.f ? 127.f / amax : 0.f;
           for (int i = 0; i < 32; i++) {
