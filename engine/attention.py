@@ -14,7 +14,7 @@ neither the linear layers nor the decodes pay for padding). Long prefill chunks 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -89,6 +89,64 @@ class AttentionMetadata:
     # Run the tiles' matmuls on one thread: where a probe found this machine's threaded matmuls
     # rounding a row differently with the number of tiles (engine/batch_invariant.py).
     serial_tiles: bool = False
+    # [num_tokens] position of each packed row: sliding-window layers mask keys by it (`windowed`).
+    positions: torch.Tensor | None = None
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+
+def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's metadata for a sliding-window layer: key s (a context slot index, which is the
+    key's position; draft-tree nodes sit at or after theirs, always within any window) is visible to
+    a query at position p only where p - s < window, as well as where `meta` allows. Built once
+    per step and window; the step's own metadata where no query reaches past the window."""
+    if window <= 0:
+        return meta
+    cached = meta._windowed.get(window)
+    if cached is not None:
+        return cached
+    pos = meta.positions
+    if pos is None:
+        raise ValueError("a sliding-window layer needs the step's positions in its metadata")
+    out = meta
+    if pos.numel() and int(pos.max()) >= window:
+        out = replace(
+            meta,
+            groups=[_windowed_group(g, pos, window) for g in meta.groups],
+            long_chunks=[_windowed_chunk(c, pos, window) for c in meta.long_chunks],
+            tiles=[_windowed_tiles(t, pos, window) for t in meta.tiles],
+            _windowed={},
+        )
+    meta._windowed[window] = out
+    return out
+
+
+def _in_window(q_pos: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[..., keys] bool: key s is within `window` of each query position in q_pos [...]."""
+    s = torch.arange(keys, device=q_pos.device)
+    return s > (q_pos.unsqueeze(-1) - window)
+
+
+def _windowed_group(g: BatchedGroup, pos: torch.Tensor, window: int) -> BatchedGroup:
+    rows = (
+        g.q_index if g.q_index is not None else torch.arange(g.start, g.start + g.b * g.t, device=pos.device)
+    )
+    q_pos = pos.index_select(0, rows).view(g.b, 1, g.t)  # [b, 1, t]
+    s = g.kv_slots.shape[1]
+    near = _in_window(q_pos, s, window)  # [b, 1, t, S]
+    # Without a mask, each sequence is one query over its whole row: causal already.
+    return replace(g, mask=near if g.mask is None else g.mask & near)
+
+
+def _windowed_chunk(c: LongChunk, pos: torch.Tensor, window: int) -> LongChunk:
+    q_pos = pos[c.start : c.end]  # [T]
+    return replace(c, mask=c.mask & _in_window(q_pos, c.mask.shape[1], window))
+
+
+def _windowed_tiles(g: TileGroup, pos: torch.Tensor, window: int) -> TileGroup:
+    nt, keys = g.kv_slots.shape
+    q_pos = pos.index_select(0, g.rows).view(nt, g.tile)  # [nt, tile]
+    bias = g.bias.masked_fill(~_in_window(q_pos, keys, window), float("-inf"))
+    return replace(g, bias=bias)
 
 
 def tile_groups(
@@ -280,6 +338,9 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTENTION_NAME} attention needs specgate_meta from the engine's model runner")
     layer = int(getattr(module, "layer_idx", 0))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
+    if isinstance(window, int) and window > 0:
+        meta = windowed(meta, window)
     out = paged_attention(meta, layer, query[0], key[0], value[0], scale)
     return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]
 

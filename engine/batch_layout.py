@@ -190,6 +190,7 @@ class BatchLayout:
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
         positions = torch.cat(pos_parts).to(self.device)  # [num_tokens]
+        meta.positions = positions
         logit_index = torch.tensor(
             [r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device
         )
@@ -219,6 +220,7 @@ class BatchLayout:
             tiles=[g.to(self.device) for g in tile_groups(tiled, ATTENTION_TILE, key_bucket, trash)],
         )
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
+        meta.positions = positions.to(self.device)
         return (
             torch.tensor(ids, dtype=torch.long, device=self.device),  # [num_tokens]
             positions.to(self.device),  # [num_tokens]

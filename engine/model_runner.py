@@ -15,6 +15,7 @@ from specgate.engine.kv_cache import KVCache
 from specgate.engine.loader import load_model, resolve_model
 from specgate.engine.models.build import build_model, build_native, native_gguf
 from specgate.engine.models.compiled import CompiledSteps
+from specgate.engine.models.family import unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,11 @@ class ModelRunner:
         uses_window = getattr(text_config, "use_sliding_window", True) and "sliding_attention" in (
             getattr(text_config, "layer_types", None) or ["sliding_attention"]
         )
-        if window and uses_window:
-            # Within the window, sliding attention equals full attention; beyond it we would be wrong.
+        # The compact decoder masks each sliding layer's window itself (attention.windowed), and so
+        # does the paged attention function for the Hugging Face modules of those families, which
+        # hand it their window. Another family's modules might not: within the window, sliding
+        # attention equals full attention.
+        if window and uses_window and unsupported(model_config) is not None:
             limits.append(int(window))
         self.max_model_len = min(limits)
         self.weight_bytes: int | None = None  # bytes of weights a decode step reads (native GGUF)
@@ -127,6 +131,8 @@ class ModelRunner:
             why = "deterministic mode fixes its own kernels"
         elif self.device.type != "cpu":
             why = "compiled steps run on CPU only"
+        elif self.model.family.sliding:
+            why = "compiled steps attend without sliding windows"
         if why is not None:
             logger.warning("compile_sizes ignored: %s", why)
             return None

@@ -32,6 +32,12 @@ class EmbeddedSettings(BaseModel):
     model: str | None = None
     gguf_file: str | None = None
     served_model_name: str | None = None  # default: the model's own name
+    # The chat template, overriding the model's own (llama-server's --chat-template): a built-in's
+    # name (chatml, llama3, ...: backends/embedded/builtin_templates.py) or Jinja text. None: the
+    # model's own, and chat requests to a model without one get a 400.
+    chat_template: str | None = None
+    # The chat template from a file: read once, at load, into `chat_template`.
+    chat_template_file: str | None = None
     aliases: list[str] = Field(default_factory=list)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
@@ -92,6 +98,16 @@ class EmbeddedSettings(BaseModel):
                 "gateway process, as an app built by create_app does"
             )
         return data
+
+    @model_validator(mode="after")
+    def _template_file(self) -> EmbeddedSettings:
+        if self.chat_template_file is not None:
+            if self.chat_template is not None:
+                raise ValueError("set embedded.chat_template or embedded.chat_template_file, not both")
+            # Read: a copy of these settings (each worker's) carries the text, not the path.
+            self.chat_template = read_chat_template_file(self.chat_template_file)
+            self.chat_template_file = None
+        return self
 
     def engine_config(self, cache_dir: str | None = None) -> EngineConfig:
         """The engine's config: every EngineConfig field these settings name (and `threads` as
@@ -458,6 +474,22 @@ def read_key_file(path: str | Path) -> list[str]:
         raise ValueError(f"cannot read the key file {path}: {exc}") from None
     keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     return [k for k in keys if k]
+
+
+def read_chat_template_file(path: str | Path) -> str:
+    """A chat template file's Jinja text (`--chat-template-file`, `embedded.chat_template_file`)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"embedded.chat_template_file (--chat-template-file): cannot read {path}: {exc}"
+        ) from None
+    if "{%" not in text and "{{" not in text:  # what tells Jinja from a built-in's name
+        raise ValueError(
+            f"embedded.chat_template_file (--chat-template-file): {path} holds no Jinja template "
+            "(no {% or {{)"
+        )
+    return text
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

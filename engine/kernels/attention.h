@@ -72,14 +72,17 @@ static inline void store(const Pool& p, void* base, int64_t off, const float* sr
 }
 
 // The step's queries rotated into q [n, heads, d]; the rotated keys and the values stored in the
-// pool at `slots`. x [n, (heads + 2 kv) d] float32, cos and sin [n, d] float32 with sin signed so
-// that rotate_half(x) * sin == x[(i + d/2) % d] * sin_signed[i]. Each product is rounded before the
-// sum, as the tensor expression x * cos + roll(x, d/2) * sin is.
+// pool at `slots`. x [n, (heads + 2 kv) d] float32, cos and sin [n, rot] float32 (the first `rot`
+// dims of each head are rotated, the rest pass through) with sin signed so that rotate_half(x) *
+// sin == x[(i + rot/2) % rot] * sin_signed[i]. Each product is rounded before the sum, as the tensor
+// expression x * cos + roll(x, rot/2) * sin is. Where `qn` / `kn` are given, each query / key head
+// is first RMS-normed with that weight [d] (QK-norm), as rms_norm_rows normalizes a row.
 static void rope_core(const float* xp, int64_t n, int64_t heads, int64_t kv_heads, const float* cp, const float* sp,
-                      const Pool& p, const int64_t* slp, float* qp) {
-  int64_t d = p.d, units = heads + 2 * kv_heads, width = units * d, half = d / 2;
+                      int64_t rot, const Pool& p, const int64_t* slp, float* qp, const float* qn = nullptr,
+                      const float* kn = nullptr, double eps = 0.0) {
+  int64_t d = p.d, units = heads + 2 * kv_heads, width = units * d, half = rot / 2;
   at::parallel_for(0, n * units, 16, [&](int64_t u0, int64_t u1) {
-    std::vector<float> rotated(d);
+    std::vector<float> rotated(d), normed(d);
     for (int64_t u = u0; u < u1; u++) {
       int64_t r = u / units, j = u % units;
       const float* src = xp + r * width + j * d;
@@ -87,16 +90,43 @@ static void rope_core(const float* xp, int64_t n, int64_t heads, int64_t kv_head
         store(p, p.v, p.at(j - heads - kv_heads, slp[r]), src);
         continue;
       }
-      const float *cr = cp + r * d, *sr = sp + r * d;
+      const float* w = j < heads ? qn : kn;
+      if (w != nullptr) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < d; i++) ss += (double)src[i] * src[i];
+        float inv = (float)(1.0 / std::sqrt(ss / (double)d + eps));
+        for (int64_t i = 0; i < d; i++) normed[i] = src[i] * inv * w[i];
+        src = normed.data();
+      }
+      const float *cr = cp + r * rot, *sr = sp + r * rot;
       float* dst = j < heads ? qp + (r * heads + j) * d : rotated.data();
-      for (int64_t i = 0; i < d; i++) {
+      for (int64_t i = 0; i < rot; i++) {
         float a = src[i] * cr[i];
-        float b = src[(i + half) % d] * sr[i];
+        float b = src[(i + half) % rot] * sr[i];
         dst[i] = a + b;
       }
+      for (int64_t i = rot; i < d; i++) dst[i] = src[i];
       if (j >= heads) store(p, p.k, p.at(j - heads, slp[r]), rotated.data());
     }
   });
+}
+
+// A QK-norm weight as float [d], or an undefined tensor where the layer has none.
+static at::Tensor head_norm_weight(const c10::optional<at::Tensor>& w, int64_t d) {
+  if (!w.has_value() || !w->defined() || w->numel() == 0) return at::Tensor();
+  at::Tensor f = w->to(at::kFloat).contiguous();
+  TORCH_CHECK(f.numel() == d, "a QK-norm weight must have head_dim elements");
+  return f;
+}
+
+static const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// cos, sin as float [n, rot] for heads of d dims.
+static int64_t rotary_width(const at::Tensor& c, const at::Tensor& s, int64_t n, int64_t d) {
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == n && s.sizes() == c.sizes(), "cos, sin must be [N, rot]");
+  int64_t rot = c.size(1);
+  TORCH_CHECK(rot > 0 && rot <= d && rot % 2 == 0, "the rotated dims must be even and at most head_dim");
+  return rot;
 }
 
 static void check_slots(const int64_t* slots, int64_t n, const Pool& p) {
@@ -105,7 +135,8 @@ static void check_slots(const int64_t* slots, int64_t n, const Pool& p) {
 
 // q [N, heads, d] float32 (rope_core) from qkv [N, (heads + 2 kv_heads) d] (float32 or bfloat16).
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
-                      at::Tensor v_pool, int64_t layer, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+                      at::Tensor v_pool, int64_t layer, const at::Tensor& slots, int64_t heads, int64_t kv_heads,
+                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps) {
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % (heads + 2 * kv_heads) == 0, "qkv must be [N, (h + 2 kv) d]");
   int64_t n = qkv.size(0), d = qkv.size(1) / (heads + 2 * kv_heads);
@@ -113,14 +144,15 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   Pool p = pool_of(k_pool, v_pool, layer);
   TORCH_CHECK(p.kv_heads == kv_heads && p.d == d, "the pools' heads or head_dim do not match qkv");
   at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
-  TORCH_CHECK(c.dim() == 2 && c.size(0) == n && c.size(1) == d && s.sizes() == c.sizes(), "cos, sin must be [N, d]");
+  int64_t rot = rotary_width(c, s, n, d);
   at::Tensor sl = slots.to(at::kLong).contiguous();
   TORCH_CHECK(sl.numel() == n, "one slot per row");
   check_slots(sl.data_ptr<int64_t>(), n, p);
+  at::Tensor qn = head_norm_weight(q_norm, d), kn = head_norm_weight(k_norm, d);
   at::Tensor x = qkv.to(at::kFloat).contiguous();
   at::Tensor q = at::empty({n, heads, d}, at::kFloat);
-  rope_core(x.data_ptr<float>(), n, heads, kv_heads, c.data_ptr<float>(), s.data_ptr<float>(), p,
-            sl.data_ptr<int64_t>(), q.data_ptr<float>());
+  rope_core(x.data_ptr<float>(), n, heads, kv_heads, c.data_ptr<float>(), s.data_ptr<float>(), rot, p,
+            sl.data_ptr<int64_t>(), q.data_ptr<float>(), data_or_null(qn), data_or_null(kn), eps);
   return q;
 }
 
@@ -319,12 +351,16 @@ SG_AVX2 static void axpy_avx2(float* acc, float w, const Pool& p, int64_t off, i
 
 // One attention call: a group of b sequences with t query rows each (BatchedGroup in
 // engine/attention.py). Query i is packed row qi[i] (start + i where qi is null); it sees key s of
-// its sequence bi = i / t, at pool slot kv[bi * S + s], where mask[i * S + s] (every s if null).
+// its sequence bi = i / t, at pool slot kv[bi * S + s], where mask[i * S + s] (every s if null)
+// and, on a sliding-window layer (window > 0), where pos[row] - s < window (s is the key's position;
+// draft-tree nodes sit at or after theirs, within any window), as engine/attention.py `windowed`.
 struct AttendCall {
   const int64_t* kv;
   int64_t b, S, t, start;
   const int64_t* qi;
   const bool* mask;
+  const int64_t* pos = nullptr;
+  int64_t window = 0;
 };
 
 // One (query, head) over its m visible keys, any head_dim: score [m] scratch, o [d] zeros on entry.
@@ -380,10 +416,12 @@ static void attend_core(const float* qp, int64_t heads, const Pool& p, const Att
     std::vector<int64_t> offs(S);
     for (int64_t u = u0; u < u1; u++) {
       int64_t i = u / p.kv_heads, head = u % p.kv_heads, bi = i / c.t, h0 = head * group;
-      const float* qv = qp + ((c.qi ? c.qi[i] : c.start + i) * heads + h0) * d;
+      int64_t row = c.qi ? c.qi[i] : c.start + i;
+      const float* qv = qp + (row * heads + h0) * d;
       const bool* visible = c.mask ? c.mask + i * S : nullptr;
+      int64_t first = c.window > 0 ? std::max<int64_t>(0, c.pos[row] - c.window + 1) : 0;
       int64_t m = 0;
-      for (int64_t s = 0; s < S; s++)
+      for (int64_t s = first; s < S; s++)
         if (!visible || visible[s]) offs[m++] = p.at(head, c.kv[bi * S + s]);
       float* o = op + (i * heads + h0) * d;
       std::fill(o, o + group * d, 0.f);
@@ -424,7 +462,7 @@ static AttendCall attend_call(const at::Tensor& kv_slots, int64_t start, const a
   }
   keep.push_back(kv);
   keep.push_back(qi);
-  return {kv.data_ptr<int64_t>(), b, S, t, start, qip, mp};
+  return {kv.data_ptr<int64_t>(), b, S, t, start, qip, mp, nullptr, 0};
 }
 
 // out [b * t, heads, d] float32 of one AttendCall over q [N, heads, d] (float32).

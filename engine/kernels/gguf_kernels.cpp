@@ -51,10 +51,11 @@ at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, int64_t in_feature
 
 // y [rows, sum of out] = x [rows, in] times each packed matrix's transpose, outputs side by side
 // (the fused q/k/v or gate/up of a layer, whatever their types); x is float32 or bfloat16, y has
-// x's dtype. `biases`: per matrix, an fp32 [out] tensor or an empty one.
+// x's dtype. `biases`: per matrix, an fp32 [out] tensor or an empty one. `gated`: 0, or the gate's
+// activation (layer_math.h `Activation`) of a [rows, 2 * in] input.
 at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, at::IntArrayRef outs,
                    int64_t in_features, at::TensorList biases, const c10::optional<at::Tensor>& norm, double eps,
-                   bool gated, const c10::optional<at::Tensor>& residual) {
+                   int64_t gated, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
   Projection p = make_projection(weights, types, outs, in_features, biases);
   int64_t rows = x.size(0);
@@ -71,6 +72,17 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// RMSNorm(x) * w of each row of x [rows, in], float32: the norm the decoder applies to a projection's
+// output (Gemma's sandwich norms), for the per-layer path.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  at::Tensor xf = x.to(at::kFloat).contiguous(), wf = w.to(at::kFloat).contiguous();
+  TORCH_CHECK(wf.numel() == xf.size(1), "the norm weight must have in elements");
+  at::Tensor out = at::empty_like(xf);
+  rms_norm_rows(xf.data_ptr<float>(), xf.size(0), xf.size(1), wf.data_ptr<float>(), eps, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace sg
 
 // The ops' namespace; a benchmark may build a variant under another name to compare the two in one
@@ -81,20 +93,21 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
 
 TORCH_LIBRARY(SG_LIBRARY, m) {
   m.class_<sg::Decoder>("Decoder")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("add_layer", &sg::Decoder::add_layer)
       .def("num_layers", &sg::Decoder::num_layers)
       .def("forward", &sg::Decoder::forward);
   m.def(
       "qmatmul(Tensor x, Tensor[] weights, int[] types, int[] outs, int in_features, Tensor[] biases, "
-      "Tensor? norm=None, float eps=0.0, bool gated=False, Tensor? residual=None) -> Tensor");
+      "Tensor? norm=None, float eps=0.0, int gated=0, Tensor? residual=None) -> Tensor");
   m.def("repack(Tensor src, int type, int in_features) -> Tensor");
   m.def(
       "rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, int layer, "
-      "Tensor slots, int heads, int kv_heads) -> Tensor");
+      "Tensor slots, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> Tensor");
   m.def(
       "paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, int layer, Tensor kv_slots, int start, "
       "Tensor q_index, Tensor? mask, int t, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("dequantize_rows(Tensor w, int type, int in_features, int rows, Tensor ids) -> Tensor");
   m.def("packed_panel_bytes(int type, int in_features) -> int", &sg::packed_panel_bytes);
   m.def("isa_level() -> int", &sg::isa_level);
@@ -107,4 +120,5 @@ TORCH_LIBRARY_IMPL(SG_LIBRARY, CPU, m) {
   m.impl("rope_store", &sg::rope_store);
   m.impl("paged_attend", &sg::paged_attend);
   m.impl("dequantize_rows", &sg::dequantize_rows);
+  m.impl("rms_norm", &sg::rms_norm);
 }

@@ -1,4 +1,4 @@
-// What a decoder layer does to a product's input before the product (RMSNorm, SwiGLU), on the
+// What a decoder layer does to a product's input before the product (RMSNorm, SwiGLU / GeGLU), on the
 // vector unit the kernels use; exp512 serves attention's softmax too.
 
 #pragma once
@@ -12,9 +12,20 @@
 
 namespace sg {
 
-// ---- what the layers do to an input before its product: RMSNorm, SwiGLU -----------------------
+// ---- what the layers do to an input before its product: RMSNorm, SwiGLU / GeGLU ---------------
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// The gate's activations: silu(g) = g * sigmoid(g); GELU's tanh form, 0.5 g (1 + tanh(y)) with
+// y = sqrt(2 / pi) (g + 0.044715 g^3), is g * sigmoid(2 y), so both are g / (1 + exp(-a)).
+enum Activation : int64_t { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU_TANH = 2 };
+
+static inline float gelu_tanh(float v) {
+  float cube = v * v * v;
+  float y2 = (2.f * 0.7978845608028654f) * (v + 0.044715f * cube);  // the vector path's order
+  return v / (1.f + std::exp(-y2));
+}
+
 
 #if SG_X86
 // exp(x) for the SwiGLU gate: 2^(x log2 e) as 2^n times a degree-6 polynomial of the remainder
@@ -34,30 +45,42 @@ SG_AVX512 static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-SG_AVX512 static void swiglu_avx512(const float* gate, const float* up, float* out, int64_t n) {
+SG_AVX512 static void gated_avx512(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
   int64_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.f);
   for (; i + 16 <= n; i += 16) {
     __m512 g = _mm512_loadu_ps(gate + i);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    __m512 a = g;
+    if (act == ACT_GELU_TANH) {
+      __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+      __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube));
+      a = _mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608028654f), inner);
+    }
+    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, e));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(sg, _mm512_loadu_ps(up + i)));
   }
-  for (; i < n; i++) out[i] = silu(gate[i]) * up[i];
+  for (; i < n; i++) out[i] = (act == ACT_GELU_TANH ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
 }
 #endif
 
-// silu(gate) * up of each row of x [rows, 2 * in] into out [rows, in].
-static void swiglu_rows(const float* x, int64_t rows, int64_t in, float* out) {
+// act(gate) * up of each row of x [rows, 2 * in] (gate first) into out [rows, in].
+static void gated_rows(const float* x, int64_t rows, int64_t in, float* out, int64_t act) {
+  TORCH_CHECK(act == ACT_SILU || act == ACT_GELU_TANH, "unknown gate activation ", act);
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const float* g = x + r * 2 * in;
 #if SG_X86
       if (isa() >= 2) {
-        swiglu_avx512(g, g + in, out + r * in, in);
+        gated_avx512(g, g + in, out + r * in, in, act);
         continue;
       }
 #endif
-      for (int64_t i = 0; i < in; i++) out[r * in + i] = silu(g[i]) * g[in + i];
+      if (act == ACT_GELU_TANH) {
+        for (int64_t i = 0; i < in; i++) out[r * in + i] = gelu_tanh(g[i]) * g[in + i];
+      } else {
+        for (int64_t i = 0; i < in; i++) out[r * in + i] = silu(g[i]) * g[in + i];
+      }
     }
   });
 }
@@ -76,15 +99,15 @@ static void rms_norm_rows(const float* x, int64_t rows, int64_t in, const float*
 }
 
 // The input rows as the layer feeds them to its product, in float: `x` itself, RMSNorm(x) * w, or
-// (gated) silu(gate) * up of a [rows, 2 * in] input.
+// (gated: its activation) act(gate) * up of a [rows, 2 * in] input.
 static at::Tensor prepared_input(const at::Tensor& x, int64_t in_features, const c10::optional<at::Tensor>& norm,
-                                 double eps, bool gated) {
+                                 double eps, int64_t gated) {
   at::Tensor xf = x.to(at::kFloat).contiguous();
   int64_t rows = x.size(0);
   if (gated) {
     TORCH_CHECK(x.size(1) == 2 * in_features, "a gated input must be [rows, 2 * in_features]");
     at::Tensor out = at::empty({rows, in_features}, at::kFloat);
-    swiglu_rows(xf.data_ptr<float>(), rows, in_features, out.data_ptr<float>());
+    gated_rows(xf.data_ptr<float>(), rows, in_features, out.data_ptr<float>(), gated);
     xf = out;
   } else {
     TORCH_CHECK(x.size(1) == in_features, "x must be [rows, in_features]");

@@ -15,8 +15,10 @@ from specgate.engine.config import EngineConfig
 from specgate.engine.cpu_linear import PackedLinear, pack_linears, packing_supported
 from specgate.engine.kernels import extension
 from specgate.engine.loader import ModelSource, load_config_and_tokenizer
+from specgate.engine.models.family import unsupported
+from specgate.engine.models.gguf_weights import apply_file_metadata
 from specgate.engine.models.linear import WeightOnlyLinear
-from specgate.engine.models.llama import CompactCausalLM, compact_supported
+from specgate.engine.models.llama import CompactCausalLM
 from specgate.engine.models.plan import gguf_tensor_types, mode_plan
 from specgate.engine.models.quantized import GGUFLinear
 
@@ -26,19 +28,20 @@ logger = logging.getLogger(__name__)
 def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_len: int) -> tuple[Any, bool]:
     """(the model to run, whether it is the compact decoder). The compact decoder copies what it
     needs, so the caller may drop `hf_model` afterwards."""
-    supported = compact_supported(hf_model.config)
-    compact = config.model_impl == "compact" or (config.model_impl == "auto" and supported)
-    if compact and not supported:
+    reason = unsupported(hf_model.config)
+    compact = config.model_impl == "compact" or (config.model_impl == "auto" and reason is None)
+    if compact and reason is not None:
         raise ValueError(
-            f"model_impl compact runs the Llama family (llama, qwen2, mistral); "
-            f"{source.name} is {hf_model.config.get_text_config().model_type!r}"
+            f"model_impl compact runs the Llama, Mistral, Qwen2, Qwen3, Gemma 3 and Phi-3 families; "
+            f"{source.name}: {reason}"
         )
     pack = bool(config.pack_linears) and packing_supported(config.torch_dtype)
     if config.pack_linears and not pack:
         logger.warning("oneDNN cannot pack %s linears on this CPU; using torch's kernels", config.dtype)
     if not compact:
         if config.quantization in ("int8", "int4"):
-            raise ValueError(f"quantization {config.quantization} needs the compact decoder (Llama family)")
+            raise ValueError(f"quantization {config.quantization} needs the compact decoder ({reason})")
+        logger.info("%s: served by the Hugging Face modules (%s)", source.name, reason or "model_impl hf")
         if pack and not config.deterministic:  # fused packed siblings share one call: not wrappable
             pack_linears(hf_model)
         _make_invariant(hf_model, config)
@@ -57,18 +60,33 @@ def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_le
 
 def native_gguf(config: EngineConfig, source: ModelSource) -> tuple[Any, Any] | None:
     """(model config, tokenizer) when the native GGUF kernels will serve this model, else None:
-    a GGUF file of the Llama family, on CPU, with `quantization` auto and the kernels built.
-    Anything else (or kernels that cannot be built here) takes the Hugging Face loading path."""
-    if source.gguf_file is None or config.device != "cpu" or config.quantization != "auto":
+    a GGUF file of a family the compact decoder covers (models/family.py), on CPU, with
+    `quantization` auto and the kernels built. Anything else (or kernels that cannot be built here)
+    takes the Hugging Face loading path, and the start-up log says why."""
+    if source.gguf_file is None:
         return None
-    if config.model_impl == "hf":
+    why = None
+    if config.device != "cpu":
+        why = f"the native kernels run on CPU, not {config.device}"
+    elif config.quantization != "auto":
+        why = f"quantization {config.quantization} asks for another weight format"
+    elif config.model_impl == "hf":
+        why = "model_impl hf"
+    if why is not None:
+        logger.info("%s: not on the native GGUF kernels (%s)", source.name, why)
         return None
     model_config, tokenizer = load_config_and_tokenizer(source, config.convert_cache_dir)
-    if not compact_supported(model_config):
-        kind = model_config.get_text_config().model_type
-        logger.warning("%s is a %r model: served by the Hugging Face modules, dequantized", source.name, kind)
+    reason = apply_file_metadata(model_config, source.directory / source.gguf_file)
+    reason = reason or unsupported(model_config)
+    if reason is not None:
+        logger.warning("%s: served by the Hugging Face modules, dequantized: %s", source.name, reason)
         return None
     if not extension.load():
+        logger.warning(
+            "%s: served by the Hugging Face modules, dequantized: the native kernels cannot be built (%s)",
+            source.name,
+            extension.unavailable_reason(),
+        )
         return None
     return model_config, tokenizer
 
@@ -87,9 +105,15 @@ def build_native(
     _make_invariant(model, config)
     model.bind_layers()
     per_step = sum(p.nbytes for m in model.modules() if isinstance(m, GGUFLinear) for p in m.parts)
+    f = model.family
     logger.info(
-        "native GGUF kernels (%s): %.0f MB of weights per decode step",
+        "%s: served on the native GGUF kernels (%s), the %s family%s: %.0f MB of weights per decode step",
+        source.name,
         ("portable C++", "AVX2", "AVX-512 VNNI")[extension.isa_level()],
+        f.model_type,
+        f" (sliding window {max(f.windows)} on {sum(1 for x in f.windows if x)} of {f.num_layers} layers)"
+        if f.sliding
+        else "",
         per_step / 1e6,
     )
     return model, per_step

@@ -94,6 +94,57 @@ class GGUFWeights:
         return m
 
 
+def _scalar(reader: Any, key: str) -> Any:
+    """A scalar metadata value of the file (str, int, float or bool), or None where it has none."""
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    value = f.parts[f.data[0]]
+    if f.types and f.types[0].name == "STRING":
+        return bytes(value).decode()
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def apply_file_metadata(config: Any, path: Path) -> str | None:
+    """Correct the configuration transformers' GGUF loader made of `path` where the file says more
+    than that loader reads (a Qwen3 head size apart from hidden / heads, a sliding window, linear
+    rotary scaling); returns why the compact decoder cannot serve the file as it says, or None."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = _scalar(reader, "general.architecture") or "llama"
+    c = config.get_text_config()
+    key_length = _scalar(reader, f"{arch}.attention.key_length")
+    if key_length and int(key_length) != (
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    ):
+        c.head_dim = int(key_length)
+    window = _scalar(reader, f"{arch}.attention.sliding_window")
+    if window and not getattr(c, "sliding_window", None) and getattr(c, "layer_types", None) is None:
+        c.sliding_window = int(window)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rotated = _scalar(reader, f"{arch}.rope.dimension_count")
+    params = getattr(c, "rope_parameters", None) or {}
+    partial = float(
+        params.get("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0
+    )
+    if rotated and int(rotated) != int(head_dim * partial):
+        return f"the file rotates {rotated} of {head_dim} dims per head, which its configuration does not say"
+    scaling = _scalar(reader, f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    factor = float(_scalar(reader, f"{arch}.rope.scaling.factor") or 1.0)
+    if scaling != "linear":
+        return f"{scaling!r} rotary scaling in the file is not covered"
+    if factor != 1.0:
+        target = (
+            params.get("full_attention", params) if isinstance(params.get("full_attention"), dict) else params
+        )
+        if target.get("rope_type", "default") == "default":
+            target.update(rope_type="linear", factor=factor)
+    return None
+
+
 def _as_q8_0(blocks: np.ndarray, qtype: Any, rows: int, cols: int) -> torch.Tensor:
     """Blocks of a type the kernels do not read, as Q8_0 blocks of the same values (to within
     Q8_0's rounding: a 256th of each block's largest magnitude)."""

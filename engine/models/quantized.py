@@ -76,12 +76,12 @@ class GGUFLinear(nn.Module):
         x: torch.Tensor,
         norm: torch.Tensor | None = None,
         eps: float = 0.0,
-        gated: bool = False,
+        gated: int = 0,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """W x, with what the decoder does around it done in the same call: `norm`, RMSNorm(x) * norm
-        first; `gated`, x is [..., 2 * in] and silu(its first half) * its second half goes in;
-        `residual` ([..., out]) is added to the result."""
+        first; `gated` (1: SiLU, 2: tanh GELU; True is SiLU), x is [..., 2 * in] and act(its first
+        half) * its second half goes in; `residual` ([..., out]) is added to the result."""
         rows = x.reshape(-1, x.shape[-1])  # [tokens, in] (gated: [tokens, 2 * in])
         res = None if residual is None else residual.reshape(-1, self.out_features)
         out: torch.Tensor = self._ops.qmatmul(
@@ -93,7 +93,7 @@ class GGUFLinear(nn.Module):
             self._biases,
             norm,
             eps,
-            gated,
+            int(gated),
             res,
         )
         return out.view(*x.shape[:-1], self.out_features)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from specgate.engine.spec_decode.params import CONTROLLERS
-from specgate.gateway.cli.common import add_weight_args, quiet_transformers
+from specgate.gateway.cli.common import add_chat_template_args, add_weight_args, quiet_transformers
 from specgate.gateway.settings import default_cache_dir
 
 
@@ -23,6 +23,7 @@ def add_generate_parser(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_chat_template_args(gen)
     gen.add_argument("--spec", default="off", help="speculation method: off, ngram, suffix (default off)")
     gen.add_argument("--spec-controller", default="goodput", choices=list(CONTROLLERS))
     gen.add_argument("--k-max", type=int, default=8, help="longest draft (a tree's depth)")
@@ -56,21 +57,35 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig, imported lazily
     )
 
 
+def chat_template_arg(args: argparse.Namespace) -> str | None:
+    """The configured chat template (--chat-template, or the text of --chat-template-file), checked:
+    a bad one is an error before the model loads."""
+    from specgate.gateway.backends.embedded.chat_template import check_template
+    from specgate.gateway.settings import read_chat_template_file
+
+    template: str | None = args.chat_template
+    if args.chat_template_file is not None:
+        template = read_chat_template_file(args.chat_template_file)
+    check_template(template)
+    return template
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     quiet_transformers()
     from specgate.engine.engine import Engine
     from specgate.engine.sampling_params import SamplingParams
-    from specgate.gateway.backends.embedded.chat_template import render_chat
+    from specgate.gateway.backends.embedded.chat_template import chat_template_for, render_chat
 
+    template = chat_template_arg(args)
     engine = Engine(engine_config(args))
     tokenizer = engine.tokenizer
-    if args.raw or getattr(tokenizer, "chat_template", None) is None:
+    if args.raw or chat_template_for(tokenizer, template) is None:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
-        prompt_ids = render_chat(tokenizer, messages)
+        prompt_ids = render_chat(tokenizer, messages, template=template)
     max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
     params = SamplingParams(
         max_tokens=max(1, max_tokens), temperature=args.temperature, top_p=args.top_p, seed=args.seed

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING, Any
 
-from specgate.gateway.cli.common import add_weight_args, quiet_transformers
+from specgate.gateway.cli.common import add_chat_template_args, add_weight_args, quiet_transformers
 from specgate.gateway.settings import default_cache_dir
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--device", default=None)
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weight_args(serve, None)
+    add_chat_template_args(serve)
     serve.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -104,8 +105,21 @@ def serve_settings(args: argparse.Namespace) -> Settings:
     }
     if args.engine_thread and settings.workers > 1 and settings.embedded.enabled:
         raise ValueError("--workers shares one engine core between the workers; drop --engine-thread")
+    # A template given here replaces the configured one, whichever way that was given.
+    if args.chat_template is not None:
+        embedded.update(chat_template=args.chat_template, chat_template_file=None)
+    elif args.chat_template_file is not None:
+        from specgate.gateway.settings import read_chat_template_file
+
+        embedded.update(
+            chat_template=read_chat_template_file(args.chat_template_file), chat_template_file=None
+        )
     if embedded:
         settings.embedded = settings.embedded.model_copy(update=embedded)
+    if settings.embedded.enabled:
+        from specgate.gateway.backends.embedded.chat_template import check_template
+
+        check_template(settings.embedded.chat_template)  # here: before any worker starts
     if args.api_key or args.api_key_file:
         from specgate.gateway.settings import ApiKey, read_key_file
 

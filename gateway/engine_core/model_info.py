@@ -33,6 +33,9 @@ class ModelInfo:
     # No token decodes to more characters than this: a text over max_model_len times as long
     # cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 256
+    # The configured chat template (`embedded.chat_template`: a built-in name or Jinja), which
+    # overrides the tokenizer's own. The gateway side sets it (it renders chat; the core never does).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.max_model_len < 1 or self.max_token_chars < 1:

@@ -1,5 +1,7 @@
-"""Tiny GGUF files for the tests: a random-weight Llama or Qwen2 written as llama.cpp writes them
-(query and key rows permuted for Llama), each matrix quantized to a chosen ggml type.
+"""Tiny GGUF files for the tests: a random-weight model of a family the compact decoder covers
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) written as llama.cpp writes it (its tensor names;
+query and key rows permuted for Llama; Gemma's norms stored as their multipliers 1 + w; Llama 3's
+rotary scaling as a `rope_freqs` tensor), each matrix quantized to a chosen ggml type.
 
 gguf-py quantizes the blocks-of-32 types; the K-quants (Q4_K, Q5_K, Q6_K) are quantized here with
 simple, valid encoders (not llama.cpp's search for the best scales: any valid blocks will do, the
@@ -27,6 +29,41 @@ GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
 }
 LAYER_PARTS = {**HF_TO_GGUF, "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+# What other families add or name otherwise (llama.cpp's names).
+FAMILY_PARTS = {
+    "qwen3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
+    "gemma3_text": {
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+# Families llama.cpp converts as its "llama" architecture, query and key rows permuted.
+PERMUTED = frozenset({"llama", "mistral"})
+# Families whose Hugging Face norms hold w where the module multiplies by 1 + w.
+NORM_OFFSET = {"gemma3_text": 1.0}
+
+
+def gguf_name(name: str, model_type: str) -> str:
+    """The GGUF tensor a Hugging Face state-dict entry is written as."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = {**LAYER_PARTS, **FAMILY_PARTS.get(model_type, {})}
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{parts[module]}.{kind}"
+
+
+def stored(name: str, data: np.ndarray, model_type: str, heads: int, kv: int) -> np.ndarray:
+    """A Hugging Face weight as llama.cpp's converter stores it."""
+    if model_type in PERMUTED and (".attn_q." in name or ".attn_k." in name):
+        return llama_permute(data, heads if ".attn_q." in name else kv)
+    if name.endswith("norm.weight"):
+        return data + NORM_OFFSET.get(model_type, 0.0)
+    return data
 
 
 def _f16(values: np.ndarray) -> np.ndarray:
@@ -108,38 +145,39 @@ def write_gguf(
     cache_dir: Path,
     types: dict[str, GGMLQuantizationType],
     default: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+    rope_freqs: np.ndarray | None = None,
+    meta_config: object | None = None,
 ) -> Path:
     """Write the Hugging Face checkpoint in `model_dir` as the GGUF file `out`, its matrices in
     `types` (by GGUF tensor name suffix, e.g. "ffn_down.weight"; else `default`), and save its
-    configuration and tokenizer where the engine looks for them (under `cache_dir`)."""
+    configuration (`meta_config`, where given: what transformers' GGUF loader would read of a
+    real file) and tokenizer where the engine looks for them (under `cache_dir`). `rope_freqs`:
+    written as llama.cpp writes Llama 3's rotary scaling."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = model.config
-    arch = config.model_type
+    model_type = config.model_type
+    arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(model_type, model_type)
     writer = GGUFWriter(out, arch)
     writer.add_block_count(config.num_hidden_layers)
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    names, parts = GLOBAL_NAMES, LAYER_PARTS
     for name, tensor in model.state_dict().items():
-        if name in names:
-            gguf_name = names[name]
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{parts[module]}.{kind}"
-        data = tensor.detach().float().numpy()
-        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            data = llama_permute(data, heads if ".attn_q." in gguf_name else kv)
-        if data.ndim == 1:
-            writer.add_tensor(gguf_name, data.astype(np.float32))
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue
-        qtype = next((t for suffix, t in types.items() if gguf_name.endswith(suffix)), default)
+        target = gguf_name(name, model_type)
+        data = stored(target, tensor.detach().float().numpy(), model_type, heads, kv)
+        if data.ndim == 1:
+            writer.add_tensor(target, data.astype(np.float32))
+            continue
+        qtype = next((t for suffix, t in types.items() if target.endswith(suffix)), default)
         if qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, data.astype(np.float32))
+            writer.add_tensor(target, data.astype(np.float32))
             continue
         blocks = quantize(data, qtype)
-        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        writer.add_tensor(target, blocks, raw_dtype=qtype)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -147,6 +185,6 @@ def write_gguf(
     meta = converted_dir(ModelSource(out.parent, out.name, out.stem), cache_dir)
     meta = meta.with_name(meta.name + "-meta")
     meta.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(meta)
+    (meta_config or config).save_pretrained(meta)  # type: ignore[attr-defined]
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(meta)
     return out

@@ -162,3 +162,38 @@ def test_a_backend_name_that_could_not_name_an_arm_is_refused(name: str) -> None
         Settings(backends=[{"name": name, "base_url": "http://127.0.0.1:9/v1"}])
     with pytest.raises(ValidationError, match="name"):
         Settings(embedded={"name": name})
+
+
+def test_the_chat_template_from_the_config_the_environment_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    assert Settings().embedded.chat_template is None
+    config = tmp_path / "c.toml"
+    config.write_text('[embedded]\nchat_template = "chatml"\n')
+    assert Settings.load(config).embedded.chat_template == "chatml"
+    monkeypatch.setenv("SPECGATE_EMBEDDED__CHAT_TEMPLATE", "llama3")
+    assert Settings.load(config).embedded.chat_template == "llama3"
+    monkeypatch.delenv("SPECGATE_EMBEDDED__CHAT_TEMPLATE")
+    # A file is read once, into the template: the settings each worker unpickles carry its text.
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    s = Settings(embedded={"chat_template_file": str(template)})
+    template.unlink()
+    copy = pickle.loads(pickle.dumps(s))
+    assert copy.embedded.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert copy.embedded.chat_template_file is None
+    assert "chat_template" not in str(s.embedded.engine_config())
+
+
+def test_a_chat_template_file_that_cannot_serve_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"chat_template_file.*cannot read"):
+        Settings(embedded={"chat_template_file": str(tmp_path / "missing.jinja")})
+    plain = tmp_path / "plain.txt"
+    plain.write_text("chatml")
+    with pytest.raises(ValidationError, match=r"chat_template_file.*no Jinja"):
+        Settings(embedded={"chat_template_file": str(plain)})
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    with pytest.raises(ValidationError, match="not both"):
+        Settings(embedded={"chat_template": "chatml", "chat_template_file": str(tmp_path / "t.jinja")})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -14,6 +15,7 @@ from specgate.engine.model_source import resolve_model
 from specgate.engine.outputs import RequestOutput
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.base import BackendCall
+from specgate.gateway.backends.embedded.chat_template import check_template
 from specgate.gateway.backends.embedded.chunks import ChunkWriter, final_body
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
 from specgate.gateway.engine_core.client import EngineCoreClient, InprocClient, connect, start_in_process
@@ -45,6 +47,7 @@ class EmbeddedBackend:
         self.external = False
         self._cache_dir = settings.convert_cache_dir or cache_dir
         source = resolve_model(settings.model, settings.gguf_file)  # cheap: no weights read
+        check_template(settings.chat_template)  # a bad one stops the start, not every chat request
         self.served_name = settings.served_model_name or source.name
         # The client of the engine core: on a thread here, or shared by the workers of `serve`.
         self.client: EngineCoreClient | None = None
@@ -129,7 +132,9 @@ class EmbeddedBackend:
             client, info = await connect(self.engine_socket, loop)
         else:
             client, info = await start_in_process(self._build, loop)
-        self.model, self.methods = info, info.methods
+        # Chat is rendered here, in each process that serves requests, with the configured template.
+        self.model = dataclasses.replace(info, chat_template=self.settings.chat_template)
+        self.methods = info.methods
         # One cache per model load: logprobs name the same tokens request after request.
         tokenizer = info.tokenizer
         self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))

@@ -1,35 +1,97 @@
-"""Turning chat messages into prompt token ids with the model's own chat template."""
+"""Turning chat messages into prompt token ids with the model's chat template: the configured one
+(`embedded.chat_template`: a built-in name or Jinja) where there is one, else the tokenizer's own."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from specgate.gateway.backends.embedded.builtin_templates import BUILTIN_TEMPLATES
 from specgate.gateway.backends.embedded.tools import (
     render_tool_calls_as_text,
     template_supports_tools,
     tools_system_prompt,
 )
 
+SETTING = "embedded.chat_template (--chat-template)"
+NO_TEMPLATE = (
+    "this model has no chat template: start the gateway with --chat-template NAME|JINJA or "
+    "--chat-template-file PATH (setting embedded.chat_template), or use the completions API"
+)
+
+
+def is_jinja(value: str) -> bool:
+    """Whether a configured template is Jinja text rather than a built-in's name."""
+    return "{%" in value or "{{" in value
+
+
+def configured_template(value: str | None) -> str | None:
+    """The template text a configured `embedded.chat_template` stands for: the built-in of that
+    name, or the Jinja it is; None when none is configured. ValueError for an unknown name."""
+    if value is None:
+        return None
+    if is_jinja(value):
+        return value
+    template = BUILTIN_TEMPLATES.get(value.strip())
+    if template is None:
+        raise ValueError(
+            f"{SETTING}: {value[:64]!r} is not a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+            "nor Jinja (which has {% or {{)"
+        )
+    return template
+
+
+def chat_template_for(tokenizer: Any, configured: str | None) -> str | None:
+    """The template chat is rendered with for this tokenizer: the configured one overrides the
+    model's own (as llama-server's --chat-template does); None when there is neither."""
+    template = configured_template(configured)
+    return template if template is not None else getattr(tokenizer, "chat_template", None)
+
+
+def check_template(value: str | None) -> None:
+    """At start-up: a configured template names a built-in or is Jinja that compiles, so that a
+    mistake stops the gateway with a message instead of failing every chat request."""
+    template = configured_template(value)
+    if template is None:
+        return
+    # The renderer's own compiler: its sandbox and extensions are what the template runs under.
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except Exception as exc:
+        where = "embedded.chat_template (--chat-template or --chat-template-file)"
+        raise ValueError(f"{where}: the Jinja template does not compile: {exc}") from None
+
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template: str | None = None,
 ) -> list[int]:
-    """The conversation's prompt token ids, as the model's chat template writes it."""
-    return encode(tokenizer, chat_text(tokenizer, messages, tools))
+    """The conversation's prompt token ids, as the chat template writes it (`template`: the
+    configured one, which overrides the tokenizer's own)."""
+    return encode(tokenizer, chat_text(tokenizer, messages, tools, template))
 
 
 def chat_text(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template: str | None = None,
 ) -> str:
-    """The conversation as the model's chat template writes it, ready for `encode`."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template; use the completions API")
+    """The conversation as the chat template writes it, ready for `encode`."""
+    chosen = chat_template_for(tokenizer, template)
+    if chosen is None:
+        raise ValueError(NO_TEMPLATE)
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=True,
         tokenize=False,
+        # Unconfigured, the tokenizer picks its own (of several named ones, by the tools).
+        chat_template=chosen if template is not None else None,
     )
     return str(text)
 
@@ -46,13 +108,14 @@ def normalize_messages(
     messages: Sequence[Any],  # gateway.schemas.ChatMessage
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: Any,
+    template: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages as plain-text dicts the template can render, and the tools to hand to the template.
 
     A template without tool support gets the tools as a system message and earlier tool calls as
     the text the model would have written; "developer" becomes "system" for templates that predate it.
     """
-    native = template_supports_tools(getattr(tokenizer, "chat_template", None))
+    native = template_supports_tools(chat_template_for(tokenizer, template))
     use_tools = [dict(t) for t in tools or []] if tool_choice != "none" else []
     out: list[dict[str, Any]] = []
     for m in messages:

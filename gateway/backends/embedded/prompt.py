@@ -13,7 +13,12 @@ from typing import Any
 from specgate.engine.grammar import Grammar
 from specgate.engine.sampling_params import SamplingParams
 from specgate.gateway.backends.base import BackendCall
-from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
+from specgate.gateway.backends.embedded.chat_template import (
+    chat_template_for,
+    chat_text,
+    encode,
+    normalize_messages,
+)
 from specgate.gateway.backends.embedded.structured import checked, requested_grammar
 from specgate.gateway.backends.embedded.tools import (
     forced_tool,
@@ -117,7 +122,7 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             grammar, grammar_param = forced, "tool_choice"
         elif grammar is None and tools:
             # tool_choice "auto": prose stays free, a tool call the model opens must be a valid one.
-            native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
+            native = template_supports_tools(chat_template_for(model.tokenizer, model.chat_template))
             functions = _checked_parameters([t["function"] for t in req.tools or ()])
             grammar = _lark(tool_tags_lark(functions, native, tag_markers(model.tokenizer)), "tools")
             grammar_param = "tools"
@@ -180,7 +185,7 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
     if functions is None:
         return None
     _checked_parameters(functions)  # each schema's depth and size too (Grammar's own limits)
-    native = template_supports_tools(getattr(model.tokenizer, "chat_template", None))
+    native = template_supports_tools(chat_template_for(model.tokenizer, model.chat_template))
     parallel = req.parallel_tool_calls is not False
     lark = tool_call_lark(functions, parallel, native, tag_markers(model.tokenizer))
     return _lark(lark, "tools")
@@ -211,8 +216,10 @@ def _lark(text: str, param: str) -> Grammar:
 def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:
     tok = model.tokenizer
     try:
-        messages, tools = normalize_messages(tok, req.messages, req.tools, req.tool_choice)
-        text = chat_text(tok, messages, tools)
+        messages, tools = normalize_messages(
+            tok, req.messages, req.tools, req.tool_choice, model.chat_template
+        )
+        text = chat_text(tok, messages, tools, model.chat_template)
         _text_fits(model, text, "messages")
         ids = encode(tok, text)
     except GatewayError:

@@ -79,6 +79,9 @@ def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_pat
         "num_blocks = 128\n"
     )
     env = {**os.environ, "SPECGATE_EMBEDDED__DTYPE": "float32"}  # env vars override the file
+    # Read here, in the supervisor; rendered in the worker, which never sees the file.
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}>")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -91,6 +94,8 @@ def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_pat
             str(port),
             "--device",
             "cpu",
+            "--chat-template-file",
+            str(template),
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -106,6 +111,7 @@ def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_pat
             model="tiny-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert r.usage is not None and r.usage.completion_tokens == 3 and r.model == "tiny-alias"
+        assert r.usage.prompt_tokens == len("[hi]>")  # one token a character: the file's template
         ready = httpx.get(f"{url}/readyz").json()
         assert ready["status"] == "ready"
         with pytest.raises(openai.AuthenticationError):
@@ -191,3 +197,67 @@ def test_serve_refuses_bad_compile_sizes(value: str, capsys: pytest.CaptureFixtu
         build_parser().parse_args(["serve", "--compile", value])
     assert exit_.value.code == 2
     assert "--compile" in capsys.readouterr().err
+
+
+def test_serve_chat_template_flags(tmp_path: Path) -> None:
+    assert _serve().embedded.chat_template is None  # type: ignore[attr-defined]
+    assert _serve("--chat-template", "gemma").embedded.chat_template == "gemma"  # type: ignore[attr-defined]
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert _serve("--chat-template", jinja).embedded.chat_template == jinja  # type: ignore[attr-defined]
+    template = tmp_path / "t.jinja"
+    template.write_text(jinja)
+    assert _serve("--chat-template-file", str(template)).embedded.chat_template == jinja  # type: ignore[attr-defined]
+    # A flag replaces the configured template, given by name or by file.
+    config = tmp_path / "c.toml"
+    config.write_text(f'[embedded]\nchat_template_file = "{template}"\n')
+    assert _serve("--config", str(config)).embedded.chat_template == jinja  # type: ignore[attr-defined]
+    assert _serve("--config", str(config), "--chat-template", "phi4").embedded.chat_template == "phi4"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (
+            ["--chat-template", "chatlm"],
+            "embedded.chat_template (--chat-template): 'chatlm' is not a built-in",
+        ),
+        (["--chat-template", "{% if %}"], "the Jinja template does not compile"),
+        (["--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file): cannot read"),
+    ],
+)
+def test_serve_refuses_a_bad_chat_template_before_starting(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specgate: error: ") and error in err and "Traceback" not in err
+
+
+def test_serve_refuses_a_bad_configured_chat_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[embedded]\nchat_template = "llama-3"\n')
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "'llama-3' is not a built-in template" in capsys.readouterr().err
+
+
+def test_serve_takes_one_chat_template_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template", "chatml", "--chat-template-file", "t.jinja"])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_generate_renders_chat_with_the_given_template(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "2"]
+    assert main([*argv, "--chat-template", "nope", "Hi"]) == 2
+    assert "'nope' is not a built-in template" in capsys.readouterr().err
+    # The template from the file is the one rendered: this one says so by refusing.
+    refusing = tmp_path / "refusing.jinja"
+    refusing.write_text("{{ raise_exception('rendered from the file') }}{{ messages }}")
+    with pytest.raises(Exception, match="rendered from the file"):
+        main([*argv, "--chat-template-file", str(refusing), "Hi"])
+    assert main([*argv, "--chat-template", "chatml", "Hi"]) == 0
+    assert "tokens in" in capsys.readouterr().err
