@@ -6,6 +6,8 @@ server on the same GGUF, side by side in one run.
     .venv/bin/python bench/bench_structured.py --peer llama-cpp --model qwen2.5-coder-1.5b \\
         --prompts 12 --max-tokens 96
     .venv/bin/python bench/bench_structured.py --arms free,json,json-ngram --prompts 6   # a subset
+    .venv/bin/python bench/bench_structured.py --peer llama-server --arms json,server-json \\
+        --sources simple,multiple --prompts 8 --max-tokens 160 --as-sent   # validity vs llama-server
 
 Workload: BFCL function-calling prompts (bench/data/bfcl: simple_python and multiple) whose answer is
 forced to be a call `{"name": ..., "arguments": {...}}` of the offered function (of one of them, for
@@ -17,11 +19,16 @@ false`, as OpenAI's strict mode and llama.cpp's converter read them), and keys l
 dropped; the run reports how many. The prompt shows the functions (or the schema) to every arm.
 
 Arms, each on the same prompts, greedy, batch 1 (one request at a time), `max_tokens` fixed:
-`free` (unconstrained, no speculation); `json-noforce` (constrained, forced drafts off: a second
+`free` (unconstrained, no speculation); `json-open` (constrained, objects read as plain JSON
+Schema: unlisted properties allowed); `json-noforce` (constrained, forced drafts off: a second
 specgate server with `embedded.forced_drafts = false`); `json` (constrained, forced drafts on, the
 default); `json-ngram`, `json-suffix` (constrained + speculation); `free-ngram`, `free-suffix`;
 with `--peer llama-cpp`, `llama-json` (llama-cpp-python's server, the same schema as its
-`response_format`, which it converts to a GBNF grammar) and `llama-free`. Every server is up for the
+`response_format`, which it converts to a GBNF grammar) and `llama-free`; with `--peer llama-server`,
+`server-json` (llama.cpp's own C++ server, `-t 2 -np 1`, sent the same `json_schema` body as
+specgate). `--as-sent` leaves BFCL's objects as they are (not closed), so each server's own reading
+of a schema decides whether unlisted properties may be generated; answers are still validated
+against the closed form (what a strict caller means). Every server is up for the
 whole run (an idle one takes no CPU) so that each prompt goes through every arm back to back, in an
 order rotated per prompt: machine noise hits all arms alike. Streaming over HTTP (httpx); TTFT is
 the first content chunk; decode tokens/s is (tokens - 1) / (end - first chunk), end to end is tokens
@@ -85,14 +92,19 @@ class Case:
     case_id: str
     source: str  # "own", "simple" or "multiple"
     messages: list[dict[str, str]]
-    schema: dict[str, Any]
+    schema: dict[str, Any]  # what an answer is validated against
+    sent: dict[str, Any] | None = None  # what the servers are sent, where it differs (--as-sent)
+
+    @property
+    def request_schema(self) -> dict[str, Any]:
+        return self.schema if self.sent is None else self.sent
 
 
-def convert_bfcl(schema: Any, counts: Counter[str]) -> Any:
+def convert_bfcl(schema: Any, counts: Counter[str], close: bool = True) -> Any:
     """A BFCL parameter schema as JSON Schema: its types converted, every object with properties
-    closed; what changed is counted in `counts`."""
+    closed (unless `close` is false); what changed is counted in `counts`."""
     if isinstance(schema, list):
-        return [convert_bfcl(s, counts) for s in schema]
+        return [convert_bfcl(s, counts, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -102,12 +114,12 @@ def convert_bfcl(schema: Any, counts: Counter[str]) -> Any:
             if BFCL_TYPES[value] is not None:
                 out[key] = BFCL_TYPES[value]
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: convert_bfcl(v, counts) for k, v in value.items()}
+            out[key] = {k: convert_bfcl(v, counts, close) for k, v in value.items()}
         elif key in _SCHEMA_LISTS or key in _SCHEMA_KEYS:
-            out[key] = convert_bfcl(value, counts)
+            out[key] = convert_bfcl(value, counts, close)
         else:
             out[key] = value
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
         counts["object closed (additionalProperties: false)"] += 1
     return out
@@ -185,7 +197,12 @@ def _split(n: int) -> tuple[int, int, int]:
 
 
 def bfcl_cases(
-    source: str, n: int, counts: Counter[str], dropped: Counter[str], directory: Path = DATA / "bfcl"
+    source: str,
+    n: int,
+    counts: Counter[str],
+    dropped: Counter[str],
+    directory: Path = DATA / "bfcl",
+    as_sent: bool = False,
 ) -> tuple[list[Case], int]:
     """n BFCL prompts of one file (spread over it) whose answer must call its function (one of its
     functions), and how many of the chosen ones were skipped (a schema llguidance refuses)."""
@@ -194,13 +211,17 @@ def bfcl_cases(
     skipped = 0
     for row in _spread(rows, n):
         functions = []
+        raw = []
         for fn in row["function"]:
             params = convert_bfcl(fn.get("parameters") or {"type": "object"}, counts)
             functions.append(
                 {"name": fn["name"], "description": fn.get("description", ""), "parameters": params}
             )
+            unclosed = convert_bfcl(fn.get("parameters") or {"type": "object"}, Counter(), close=False)
+            raw.append({**functions[-1], "parameters": unclosed})
         schema = enforceable(call_schema(functions), dropped)
-        if schema is None:
+        sent = enforceable(call_schema(raw), Counter()) if as_sent else None
+        if schema is None or (as_sent and sent is None):
             skipped += 1
             continue
         catalogue = "\n".join(json.dumps(fn) for fn in functions)
@@ -211,7 +232,7 @@ def bfcl_cases(
             '"arguments": {<parameter>: <value>, ...}}.'
         )
         turns = [m for m in row["question"][0] if m.get("role") in ("user", "assistant")]
-        out.append(Case(row["id"], source, [{"role": "system", "content": system}, *turns], schema))
+        out.append(Case(row["id"], source, [{"role": "system", "content": system}, *turns], schema, sent))
     return out, skipped
 
 
@@ -366,13 +387,22 @@ class Workload:
     skipped: int = 0  # chosen BFCL prompts whose schema could not be made enforceable
 
 
-def workload(n: int, directory: Path = DATA / "bfcl") -> Workload:
-    """n prompts: up to six of our own schemas (a third), the rest BFCL, simple and multiple alike."""
-    own, simple, multiple = _split(n)
+def workload(
+    n: int, directory: Path = DATA / "bfcl", sources: Sequence[str] = SOURCES, as_sent: bool = False
+) -> Workload:
+    """n prompts: up to six of our own schemas (a third), the rest BFCL, simple and multiple alike;
+    only the sources named (the others' share goes to the rest)."""
+    own, simple, multiple = _split(n) if OWN in sources else (0, (n + 1) // 2, n // 2)
+    if "simple" not in sources:
+        simple, multiple = 0, multiple + simple
+    if "multiple" not in sources:
+        simple, multiple = simple + multiple, 0
+    if "simple" not in sources and "multiple" not in sources:
+        own = min(len(OWN_CASES), n)
     w = Workload([])
     w.cases += own_cases(own, w.dropped)
     for source, k in (("simple", simple), ("multiple", multiple)):
-        cases, skipped = bfcl_cases(source, k, w.conversions, w.dropped, directory)
+        cases, skipped = bfcl_cases(source, k, w.conversions, w.dropped, directory, as_sent)
         w.cases += cases
         w.skipped += skipped
     return w
@@ -415,6 +445,9 @@ def validity(text: str, schema: Mapping[str, Any]) -> tuple[str, bool, str]:
 # ---- arms and servers ---------------------------------------------------------------------------
 
 SPECGATE, SPECGATE_NOFORCE, LLAMA = "specgate", "specgate (forced drafts off)", "llama.cpp"
+LLAMA_SERVER = "llama-server"  # llama.cpp's own C++ server
+PEERS = (LLAMA, LLAMA_SERVER)
+DEFAULT_LLAMA_BIN = Path("~/.cache/specgate/llama-cpp-11434/build/bin/llama-server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,6 +456,9 @@ class Arm:
     server: str
     constrained: bool
     spec: str | None = None  # specgate's speculation method ("off": none); None for llama.cpp
+    # specgate: plain JSON Schema (unlisted properties allowed where a schema does not say), its
+    # reading before C2, through structured_outputs.disable_additional_properties false.
+    open_objects: bool = False
 
 
 ARMS = {
@@ -431,12 +467,14 @@ ARMS = {
         Arm("free", SPECGATE, False, "off"),
         Arm("json-noforce", SPECGATE_NOFORCE, True, "off"),
         Arm("json", SPECGATE, True, "off"),
+        Arm("json-open", SPECGATE, True, "off", open_objects=True),
         Arm("json-ngram", SPECGATE, True, "ngram"),
         Arm("json-suffix", SPECGATE, True, "suffix"),
         Arm("free-ngram", SPECGATE, False, "ngram"),
         Arm("free-suffix", SPECGATE, False, "suffix"),
         Arm("llama-json", LLAMA, True),
         Arm("llama-free", LLAMA, False),
+        Arm("server-json", LLAMA_SERVER, True),
     )
 }
 # Whose output an arm's must equal (greedy, lossless drafting) or, for llama.cpp, be compared with.
@@ -444,10 +482,12 @@ REFERENCE = {
     "json": "json-noforce",
     "json-ngram": "json-noforce",
     "json-suffix": "json-noforce",
+    "json-open": "json",
     "free-ngram": "free",
     "free-suffix": "free",
     "llama-json": "json",
     "llama-free": "free",
+    "server-json": "json",
 }
 # (label, arm, over arm, goal): paired by prompt, geometric mean of the per-request ratios of decode
 # tokens/s (and end to end); STEP_RATIOS compare the mean time of a decode step instead.
@@ -458,6 +498,7 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
     ("json+ngram / llama.cpp json", "json-ngram", "llama-json", 1.5),
     ("json+suffix / llama.cpp json", "json-suffix", "llama-json", 1.5),
     ("json (plain) / llama.cpp json", "json", "llama-json", None),
+    ("json (plain) / llama-server json", "json", "server-json", None),
     ("free / llama.cpp free", "free", "llama-free", None),
     ("llama.cpp json / llama.cpp free", "llama-json", "llama-free", None),
     ("json+ngram / json", "json-ngram", "json", None),
@@ -495,12 +536,23 @@ def request_body(
         "temperature": 0.0,
         "stream": True,
     }
+    if server.name == LLAMA_SERVER:
+        # The same OpenAI json_schema body as specgate's; llama-server's own sampler chain is greedy
+        # at temperature 0, and it reuses no prompt across requests (cache_prompt false).
+        body["stream_options"] = {"include_usage": True}
+        body["cache_prompt"] = False
+        if arm.constrained:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": case.request_schema, "strict": True},
+            }
+        return body
     if server.name == LLAMA:
         # llama-cpp-python's sampling defaults that differ from OpenAI's, off; its response_format is
         # {"type": "json_object", "schema": ...} (it ignores OpenAI's json_schema form).
         body.update(repeat_penalty=1.0, top_k=0, min_p=0.0)
         if arm.constrained:
-            body["response_format"] = {"type": "json_object", "schema": case.schema}
+            body["response_format"] = {"type": "json_object", "schema": case.request_schema}
         return body
     body["stream_options"] = {"include_usage": True}
     body["spec"] = {"method": arm.spec or "off"}
@@ -509,8 +561,10 @@ def request_body(
     if arm.constrained:
         body["response_format"] = {
             "type": "json_schema",
-            "json_schema": {"name": "answer", "schema": case.schema, "strict": True},
+            "json_schema": {"name": "answer", "schema": case.request_schema, "strict": True},
         }
+        if arm.open_objects:
+            body["structured_outputs"] = {"disable_additional_properties": False}
     return body
 
 
@@ -566,6 +620,12 @@ class Result:
         return self.output_tokens / e2e if e2e and self.output_tokens else None
 
 
+def _headers(server: Server) -> dict[str, str] | None:
+    # llama-server drops a kept-alive connection after a streamed answer; the next request on it
+    # would fail without a response.
+    return {"connection": "close"} if server.name == LLAMA_SERVER else None
+
+
 def send(
     client: httpx.Client,
     server: Server,
@@ -583,7 +643,8 @@ def send(
     parts: list[str] = []
     res.sent = time.perf_counter()
     try:
-        with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        url = f"{server.url}/v1/chat/completions"
+        with client.stream("POST", url, json=body, headers=_headers(server)) as response:
             if response.status_code != 200:
                 res.error = f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
                 return res
@@ -645,7 +706,12 @@ def specgate_command(port: int, model: str | None, data_dir: Path, forced_drafts
 
 @contextlib.contextmanager
 def servers(
-    names: set[str], model: str | None, out: Path, threads: int, log: Callable[[str], None]
+    names: set[str],
+    model: str | None,
+    out: Path,
+    threads: int,
+    log: Callable[[str], None],
+    llama_bin: Path = DEFAULT_LLAMA_BIN,
 ) -> Iterator[dict[str, Server]]:
     """The servers the arms need, started one after the other (each ready before the next starts)
     and all stopped on every way out (bench/serve/peer_server.py's `running`)."""
@@ -655,13 +721,19 @@ def servers(
     chunk = EmbeddedSettings().max_num_batched_tokens
     started: dict[str, Server] = {}
     with contextlib.ExitStack() as stack:
-        for name in (SPECGATE, SPECGATE_NOFORCE, LLAMA):
+        for name in (SPECGATE, SPECGATE_NOFORCE, LLAMA, LLAMA_SERVER):
             if name not in names:
                 continue
             port = peer_server.free_port()
             url = f"http://127.0.0.1:{port}"
             t0 = time.monotonic()
-            if name == LLAMA:
+            if name == LLAMA_SERVER:
+                gguf = peer_server.gguf_path(model)
+                cmd = [str(llama_bin.expanduser()), "-m", str(gguf), "-t", str(threads), "-np", "1"]
+                cmd += ["--host", "127.0.0.1", "--port", str(port), "--alias", gguf.stem]
+                stack.enter_context(peer_server.running(cmd, out / "llama-server.log", f"{url}/health"))
+                started[name] = Server(name, url, gguf.stem)
+            elif name == LLAMA:
                 gguf = peer_server.gguf_path(model)
                 cmd = peer_server.command(gguf, port, threads, gguf.stem)
                 stack.enter_context(peer_server.running(cmd, out / "llama-cpp.log", f"{url}/v1/models"))
@@ -686,12 +758,12 @@ def warm_up(client: httpx.Client, server: Server, cases: Sequence[Case], max_tok
         res = send(client, server, arm, probe, min(max_tokens, 16), salt="warm-up")
         if not res.ok:
             raise RuntimeError(f"the warm-up request to {server.name} failed: {res.error}")
-        if server.name != LLAMA and arm.constrained:
+        if server.name not in PEERS and arm.constrained:
             # The configuration reached the engine: forced drafts there only when switched on.
             on = server.name == SPECGATE
             if res.output_tokens > 2 and (res.forced > 0) != on:
                 raise RuntimeError(f"{server.name}: {res.forced} forced draft tokens in the warm-up answer")
-    if server.name == LLAMA:
+    if server.name in PEERS:
         return
     tiny = [{"role": "user", "content": "{}"}]
     for case in cases:
@@ -706,7 +778,7 @@ def warm_up(client: httpx.Client, server: Server, cases: Sequence[Case], max_tok
 def flush_llama(client: httpx.Client, server: Server, n: int) -> None:
     """A one-token request, so that llama.cpp's next prompt shares no prefix with its last one."""
     body = {"model": server.model, "messages": [{"role": "user", "content": f"ok {n}"}], "max_tokens": 1}
-    client.post(f"{server.url}/v1/chat/completions", json=body)
+    client.post(f"{server.url}/v1/chat/completions", json=body, headers=_headers(server))
 
 
 def measure(
@@ -727,7 +799,7 @@ def measure(
             k = (i + rep * 3) % len(arms)
             for arm in [*arms[k:], *arms[:k]]:
                 server = started[arm.server]
-                if server.name == LLAMA:
+                if server.name in PEERS:
                     flush_llama(client, server, n)
                 n += 1
                 res = send(client, server, arm, case, max_tokens, rep, salt=f"{run_id}-{arm.name}-{rep}")
@@ -937,7 +1009,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reps", type=int, default=1, help="repetitions, interleaved (each prompt through every arm)"
     )
-    ap.add_argument("--peer", choices=["llama-cpp"], help="add llama.cpp's server on the same GGUF")
+    ap.add_argument(
+        "--peer",
+        choices=["llama-cpp", "llama-server"],
+        help="add llama.cpp's server on the same GGUF: llama-cpp-python's, or the C++ llama-server",
+    )
+    ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN, help="llama-server's binary")
+    ap.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, of {', '.join(SOURCES)}")
+    ap.add_argument(
+        "--as-sent",
+        action="store_true",
+        help="send BFCL's objects unclosed (each server's reading decides); validate against the closed form",
+    )
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: all cores)")
     ap.add_argument("--bfcl-dir", type=Path, default=DATA / "bfcl")
@@ -950,8 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve(args.model)
     arms = [ARMS[a] for a in args.arms.split(",")]
-    if args.peer is None:
-        arms = [a for a in arms if a.server != LLAMA]
+    peer = {"llama-cpp": LLAMA, "llama-server": LLAMA_SERVER}.get(args.peer or "")
+    arms = [a for a in arms if a.server not in PEERS or a.server == peer]
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-structured-"))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -959,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
         sys.stderr.flush()
 
-    w = workload(args.prompts, args.bfcl_dir)
+    w = workload(args.prompts, args.bfcl_dir, args.sources.split(","), args.as_sent)
     llama_fallbacks: list[str] = []
     if any(a.server == LLAMA for a in arms):
         from llama_cpp import llama_grammar
@@ -973,7 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     run_id = f"{int(time.time())}"
     with (
-        servers({a.server for a in arms}, model, out, args.threads or os.cpu_count() or 1, log) as started,
+        servers(
+            {a.server for a in arms}, model, out, args.threads or os.cpu_count() or 1, log, args.llama_bin
+        ) as started,
         httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client,
     ):
         for server in started.values():

@@ -64,6 +64,7 @@ def new_sequence(
     tokenizer: Any,  # None: token ids only, no text
     prefix_salt: str | None,
     tenant: str = "",
+    index: int = 0,  # which of the request's n sequences (parallel sampling)
 ) -> Sequence:
     detok = None
     if tokenizer is not None:
@@ -73,7 +74,7 @@ def new_sequence(
         stats.spec = SpecStats(spec.method)
     return Sequence(
         request_id=request_id,
-        token_ids=prompt,
+        token_ids=list(prompt),  # its own: sequences of one request grow apart
         num_prompt_tokens=len(prompt),
         params=params,
         generator=generator,
@@ -82,4 +83,5 @@ def new_sequence(
         spec=SpecState(spec) if spec is not None else None,
         prefix_salt=prefix_salt,
         tenant=tenant,
+        index=index,
     )

@@ -91,6 +91,10 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def ref_count(self, block: int) -> int:
+        """How many sequences hold `block`."""
+        return self._refs[block]
+
     def blocks_needed(self, seq: HasBlockTable, num_tokens: int) -> int:
         """Extra blocks `seq` needs to hold its first `num_tokens` tokens."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
@@ -161,6 +165,20 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(self._hash_of[block])  # type: ignore[arg-type]
         seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def share(self, seq: CachedSeq, donor: CachedSeq, num_blocks: int) -> None:
+        """Start `seq` on `donor`'s first `num_blocks` blocks, which hold the same tokens, full and
+        computed (a fork of parallel sampling: sequence.SequenceGroup). Full blocks are never
+        written again, so sharing them needs a reference each and no copy; they count as computed.
+        Not a prefix-cache lookup: the hit counters are left alone."""
+        assert not seq.block_table, "a fork starts a sequence's table"
+        if num_blocks > len(donor.block_table) or num_blocks * self.block_size > donor.num_computed_tokens:
+            raise ValueError(f"the donor does not hold {num_blocks} computed blocks")
+        for block in donor.block_table[:num_blocks]:
+            self._refs[block] += 1  # the donor holds it, so it is not among the evictable ones
+            seq.block_table.append(block)
+        seq.block_hashes.extend(donor.block_hashes[:num_blocks])
+        seq.num_computed_tokens = num_blocks * self.block_size
 
     def publish(self, seq: CachedSeq) -> None:
         """Publish `seq`'s full blocks whose tokens are all committed (computed, no drafts)."""

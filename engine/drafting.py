@@ -118,7 +118,7 @@ class Drafter:
 
     def _grammar_failed(self, seq: Sequence, exc: Exception) -> None:
         """A grammar that fails while drafting ends its own request; the step goes on."""
-        logger.exception("request %s failed while its grammar drafted", seq.request_id)
+        logger.exception("request %s failed while its grammar drafted", seq.seq_id)
         self.fail(seq, f"the grammar failed while drafting ({type(exc).__name__}: {exc})")
 
     def _proposals(
@@ -168,7 +168,7 @@ class Drafter:
                 nodes = 0 if self.deterministic else c.state.params.max_tree_nodes
                 row = sampling_row(seq, [], self.eos_token_ids)
                 req = ProposalRequest(
-                    seq.request_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes, seq.constraint, extra
+                    seq.seq_id, seq.token_ids, seq.num_prompt_tokens, k, row, nodes, seq.constraint, extra
                 )
                 by_method.setdefault(c.method, []).append((i, req))
         drafted: dict[int, Proposal] = {}

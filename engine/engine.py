@@ -25,7 +25,7 @@ import torch
 from specgate.engine import draft_tree
 from specgate.engine.admission import checked_prompt, new_sequence, request_generator
 from specgate.engine.batch_layout import ForwardItem
-from specgate.engine.block_manager import BlockManager
+from specgate.engine.block_manager import BlockManager, blocks_for
 from specgate.engine.config import EngineConfig
 from specgate.engine.constraint import Constraint, ConstraintError
 from specgate.engine.drafting import Drafter, mean_context
@@ -36,7 +36,7 @@ from specgate.engine.outputs import RequestOutput, TokenLogprob
 from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.scheduler import ScheduledSequence, Scheduler
-from specgate.engine.sequence import Sequence, SequenceStatus
+from specgate.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from specgate.engine.spec_decode import tree_proposal
 from specgate.engine.spec_decode.cost_model import CostModel
 from specgate.engine.spec_decode.params import SpecParams
@@ -94,7 +94,8 @@ class Engine:
             max_cached_blocks=self._max_cached_blocks(),
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, Sequence] = {}  # by seq_id
+        self._requests: dict[str, list[Sequence]] = {}  # a request's sequences not yet finished
         self._aborted: list[Sequence] = []
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
@@ -177,8 +178,13 @@ class Engine:
         """`cache_scope`: requests share a proposer's cross-request state (the suffix cache) only
         within one scope; None shares nothing. `prefix_salt`: requests reuse each other's cached KV
         blocks (the prefix cache) only under the same salt; None shares nothing. `tenant`: whom
-        the request is for; batch slots are shared fairly between tenants."""
-        if request_id in self._seqs:
+        the request is for; batch slots are shared fairly between tenants.
+
+        `params.n` > 1 samples n sequences from the prompt, which is prefilled once
+        (sequence.SequenceGroup); each has its own outputs (`RequestOutput.index`), random stream
+        (seed + i with a seed), grammar state and speculation, and ends on its own; `abort` ends
+        them all."""
+        if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt = checked_prompt(prompt_token_ids, params, self.runner.vocab_size, self.max_model_len)
         proposer = None
@@ -187,27 +193,65 @@ class Engine:
                 proposer = self.proposer(spec.method)
             except ValueError as exc:
                 raise RequestError(str(exc)) from exc
-        constraint = self._constraint(params)
-        generator = request_generator(params.seed, self.runner.device, self._rng)
-        seq = new_sequence(
-            request_id,
-            prompt,
-            params,
-            spec if proposer is not None else None,
-            generator,
-            self.tokenizer,
-            prefix_salt,
-            tenant,
-        )
-        seq.constraint = constraint
+        group = self._group(request_id, prompt, params, proposer)
+        seqs = []
+        for index in range(params.n):
+            # vLLM's per-sequence seeds: sequence i is reproducible, and differs from its siblings.
+            seed = None if params.seed is None else params.seed + index
+            seq = new_sequence(
+                request_id,
+                prompt,
+                params,
+                spec if proposer is not None else None,
+                request_generator(seed, self.runner.device, self._rng),
+                self.tokenizer,
+                prefix_salt,
+                tenant,
+                index,
+            )
+            if seq.seq_id in self._seqs:
+                raise DuplicateRequestError(f"request id {request_id!r} collides with {seq.seq_id!r}")
+            seq.constraint = self._constraint(params)
+            seq.group = group
+            seqs.append(seq)
         if proposer is not None:
+            started: list[Sequence] = []
             try:
-                proposer.start(request_id, prompt, cache_scope)
+                for seq in seqs:
+                    started.append(seq)
+                    proposer.start(seq.seq_id, prompt, cache_scope)
             except Exception:
-                self._quietly(proposer.finish, request_id, prompt)
+                for seq in started:
+                    self._quietly(proposer.finish, seq.seq_id, prompt)
                 raise
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if group is not None:
+            group.members.extend(seqs)
+        self._requests[request_id] = list(seqs)
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def _group(
+        self, request_id: str, prompt: list[int], params: SamplingParams, proposer: Proposer | None
+    ) -> SequenceGroup | None:
+        """The sequence group of an n > 1 request, once its n sequences can fit the KV pool together."""
+        if params.n == 1:
+            return None
+        bs = self.block_manager.block_size
+        # The prompt's full blocks, its last token excluded: that one is computed by each sequence.
+        fork_point = (len(prompt) - 1) // bs * bs
+        if proposer is not None and proposer.needs_hidden and self.runner.features is None:
+            # Without the feature pool (prefix caching off) a sibling could not hand a feature-level
+            # drafter the shared prompt's features: each sequence prefills its own.
+            fork_point = 0
+        shared = fork_point // bs
+        need = shared + params.n * (blocks_for(len(prompt) + params.max_tokens, bs) - shared)
+        if need > self.block_manager.num_blocks:
+            raise RequestError(
+                f"n={params.n} sequences of up to {len(prompt) + params.max_tokens} tokens need {need} KV "
+                f"blocks together; this engine holds {self.block_manager.num_blocks}: lower n or max_tokens"
+            )
+        return SequenceGroup(request_id, fork_point)
 
     def _constraint(self, params: SamplingParams) -> Constraint | None:
         """The request's grammar state at its start, compiled (or taken from the cache)."""
@@ -225,17 +269,19 @@ class Engine:
             raise RequestError(f"the grammar cannot be compiled: {exc}") from exc
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; its final output comes with the next step."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        """Stop a request (all of its sequences) now and free its KV blocks; the final outputs come
+        with the next step."""
+        seqs = self._requests.get(request_id)
+        if seqs is None:
             return False
-        self._finish(seq, "abort", None)
-        self._aborted.append(seq)
+        for seq in list(seqs):
+            self._finish(seq, "abort", None)
+            self._aborted.append(seq)
         return True
 
     def request_ids(self) -> list[str]:
         """Requests in the engine now: waiting, running or preempted."""
-        return list(self._seqs)
+        return list(self._requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
@@ -243,7 +289,7 @@ class Engine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
@@ -302,7 +348,7 @@ class Engine:
             ):
                 if feed is not None and not sampled:  # a prefill chunk: every position is the prompt's
                     self._guard(
-                        s.seq, "reading target features", feed.observe_hidden, s.seq.request_id, it.start, h
+                        s.seq, "reading target features", feed.observe_hidden, s.seq.seq_id, it.start, h
                     )
         return True
 
@@ -318,7 +364,7 @@ class Engine:
                         sampling_row(s.seq, extra, self.eos_token_ids) for extra in tree_proposal.histories(d)
                     ]
                 except Exception as exc:
-                    logger.exception("request %s failed while its sampling rows were built", s.seq.request_id)
+                    logger.exception("request %s failed while its sampling rows were built", s.seq.seq_id)
                     self._fail(
                         s.seq, f"the engine failed while masking by its grammar ({type(exc).__name__})"
                     )
@@ -378,7 +424,7 @@ class Engine:
         try:
             fn(*args)
         except Exception as exc:
-            logger.exception("request %s failed while %s", seq.request_id, what)
+            logger.exception("request %s failed while %s", seq.seq_id, what)
             self._fail(seq, f"the engine failed while {what} ({type(exc).__name__})")
 
     @staticmethod
@@ -420,7 +466,7 @@ class Engine:
                 try:
                     processed[block] = process_logits(logits[block], rows[block])
                 except Exception as exc:
-                    logger.exception("request %s failed while its logits were processed", seq.request_id)
+                    logger.exception("request %s failed while its logits were processed", seq.seq_id)
                     self._fail(seq, f"the engine failed while processing logits ({type(exc).__name__})")
         # A row is usable if some token has a finite logit and none is NaN.
         usable = (processed.isfinite().any(dim=-1) & ~processed.isnan().any(dim=-1)).tolist()  # [num_rows]
@@ -460,7 +506,7 @@ class Engine:
             # Features of the positions whose tokens stand: the step's real tokens and accepted drafts.
             real = hidden.shape[0] - len(draft)
             proposer.observe_hidden(
-                seq.request_id, start, hidden[[*range(real - 1), *(real - 1 + r for r in emitted)]]
+                seq.seq_id, start, hidden[[*range(real - 1), *(real - 1 + r for r in emitted)]]
             )
         emitted_rows = [rows[r] for r in emitted]
         scored = raw[emitted]  # [len(emitted), vocab]
@@ -496,7 +542,7 @@ class Engine:
                     return
         if seq.spec is not None and seq.stats.spec is not None:
             self.proposer(seq.stats.spec.method).commit(
-                seq.request_id, seq.token_ids, seq.num_tokens - num_before
+                seq.seq_id, seq.token_ids, seq.num_tokens - num_before
             )
 
     def _keep_path(self, seq: Sequence, path: list[int]) -> None:
@@ -521,7 +567,7 @@ class Engine:
             seq,
             "restoring cached target features",
             proposer.observe_hidden,
-            seq.request_id,
+            seq.seq_id,
             0,
             self.runner.cached_features(seq.block_table, n),
         )
@@ -562,9 +608,14 @@ class Engine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.remove(seq)
-        self._seqs.pop(seq.request_id, None)
+        self._seqs.pop(seq.seq_id, None)
+        live = self._requests.get(seq.request_id)
+        if live is not None and seq in live:
+            live.remove(seq)
+            if not live:
+                del self._requests[seq.request_id]
         if seq.stats.spec is not None:
-            self._quietly(self.proposer(seq.stats.spec.method).finish, seq.request_id, seq.token_ids)
+            self._quietly(self.proposer(seq.stats.spec.method).finish, seq.seq_id, seq.token_ids)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is SequenceStatus.FINISHED
@@ -573,7 +624,7 @@ class Engine:
         try:
             text = seq.detokenizer.take(finished) if seq.detokenizer is not None else ""
         except Exception as exc:
-            logger.exception("request %s failed while its text was decoded", seq.request_id)
+            logger.exception("request %s failed while its text was decoded", seq.seq_id)
             text = ""
             if not finished:
                 self._fail(seq, f"the engine failed while decoding text ({type(exc).__name__})")
@@ -589,6 +640,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
             error=seq.error,
+            index=seq.index,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         return out

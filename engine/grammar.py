@@ -37,6 +37,51 @@ MAX_SCHEMA_DEPTH = 32
 ITEM_SEPARATOR, KEY_SEPARATOR = ", ", ": "
 
 
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: where
+# `closed_objects` looks for object schemas. Everything else (`const`, `enum`, `default`,
+# `examples`, ...) is data and is never rewritten, even when it looks like a schema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object schema that lists `properties` and says nothing of others closed
+    (`additionalProperties: false`): the reading of llama.cpp's converter, vLLM's xgrammar and
+    OpenAI's strict mode. Plain JSON Schema (llguidance's reading) admits unlisted properties, which a
+    small model fills with invented keys and loops inside their strings until max_tokens. A schema
+    that says `additionalProperties` (true or a schema) or `unevaluatedProperties` keeps its word;
+    `{"type": "object"}` without `properties` stays any object. The parts of an `allOf` are left open:
+    closed, each would refuse the properties the others list. Returns a copy; the input is unchanged."""
+    return _close(schema, in_all_of=False)
+
+
+def _close(schema: Any, in_all_of: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _close(out[key], False)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(s, False) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        parts = out["allOf"]
+        out["allOf"] = [_close(s, len(parts) > 1) for s in parts]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(s, False) for name, s in out[key].items()}
+    if (
+        isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+        and not in_all_of
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def _limits() -> LLParserLimits:
     # llguidance's defaults, stated so that a grammar checked in the gateway and compiled in the
     # engine meet the same bounds; the per-token fuel keeps a hostile grammar's mask cost bounded.
@@ -116,7 +161,9 @@ class Grammar:
         """llguidance's grammar for this one (what its matcher is built from). Raises ValueError for
         a source its converter cannot read (a GBNF it cannot turn into Lark)."""
         if self.kind == "json_schema":
-            options: dict[str, Any] = {"whitespace_flexible": False}
+            # A schema's own `x-guidance` options come before these: it may not make llguidance
+            # ignore keywords it cannot enforce (lenient) or read oneOf as anyOf (coerce_one_of).
+            options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False}
             if self.whitespace_pattern is None:
                 options.update(item_separator=ITEM_SEPARATOR, key_separator=KEY_SEPARATOR)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 
@@ -114,6 +115,63 @@ class RequestStats:
             )
         return replace(self, token_times=list(self.token_times), spec=spec)
 
+    @classmethod
+    def merged(cls, stats: Sequence[RequestStats]) -> RequestStats:
+        """The counters of one request's n sequences (parallel sampling) as one request's: output
+        tokens, preemptions, forced drafts and speculation counters summed (per-step lists one
+        sequence after another), the earliest start and first token, the latest last token and
+        finish; the prompt and its cached tokens are the first sequence's (it prefilled the prompt).
+        `tpot` of the result spreads the time over every sequence's tokens: a throughput, not any
+        one choice's time per token."""
+        if not stats:
+            raise ValueError("merged needs at least one sequence's stats")
+        first = stats[0]
+
+        def earliest(values: Iterable[float | None]) -> float | None:
+            return min((v for v in values if v is not None), default=None)
+
+        def latest(values: Iterable[float | None]) -> float | None:
+            return max((v for v in values if v is not None), default=None)
+
+        spec = None
+        specs = [s.spec for s in stats if s.spec is not None]
+        if specs:
+            per_pos = [0] * max(len(s.num_accepted_tokens_per_pos) for s in specs)
+            for s in specs:
+                for i, count in enumerate(s.num_accepted_tokens_per_pos):
+                    per_pos[i] += count
+            spec = SpecStats(
+                specs[0].method,
+                num_drafts=sum(s.num_drafts for s in specs),
+                num_draft_tokens=sum(s.num_draft_tokens for s in specs),
+                num_accepted_tokens=sum(s.num_accepted_tokens for s in specs),
+                num_accepted_tokens_per_pos=per_pos,
+                per_step_drafted=[x for s in specs for x in s.per_step_drafted],
+                per_step_accepted=[x for s in specs for x in s.per_step_accepted],
+                per_step_batch_tokens=[x for s in specs for x in s.per_step_batch_tokens],
+                per_step_ms=[x for s in specs for x in s.per_step_ms],
+                num_tree_drafts=sum(s.num_tree_drafts for s in specs),
+                per_step_depth=[x for s in specs for x in s.per_step_depth],
+            )
+        unfinished = any(s.finished_time is None for s in stats)
+        finished = None if unfinished else latest(s.finished_time for s in stats)
+        return cls(
+            arrival_time=min(s.arrival_time for s in stats),
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_output_tokens=sum(s.num_output_tokens for s in stats),
+            num_cached_tokens=first.num_cached_tokens,
+            first_scheduled_time=earliest(s.first_scheduled_time for s in stats),
+            first_token_time=earliest(s.first_token_time for s in stats),
+            last_token_time=latest(s.last_token_time for s in stats),
+            finished_time=finished,
+            num_steps=max(s.num_steps for s in stats),
+            num_prefill_chunks=first.num_prefill_chunks,
+            num_preemptions=sum(s.num_preemptions for s in stats),
+            num_forced_draft_tokens=sum(s.num_forced_draft_tokens for s in stats),
+            token_times=sorted(t for s in stats for t in s.token_times),
+            spec=spec,
+        )
+
     @property
     def queue_time(self) -> float | None:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
@@ -144,3 +202,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # Why the engine failed this request (finish_reason "error"); the rest of its batch went on.
     error: str | None = None
+    # Which of the request's n sequences this is (SamplingParams.n, parallel sampling); each
+    # sequence's outputs come on their own, `finished` when that sequence is.
+    index: int = 0

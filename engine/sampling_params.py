@@ -14,6 +14,9 @@ MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+# Sequences one request may sample (parallel sampling): each takes a batch slot and its own KV blocks
+# past the shared prompt, so one request cannot fill the batch (the gateway refuses more with a 400).
+MAX_N = 16
 
 
 @dataclass(slots=True)
@@ -38,6 +41,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     # The grammar the output must match (a JSON schema, a regex, ...); None: unconstrained.
     grammar: Grammar | None = None
+    # Parallel sampling (vLLM's `n`): this many sequences, sampled independently from one prompt that
+    # is prefilled once; sequence i draws from seed + i when a seed is set (engine.py).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +99,8 @@ class SamplingParams:
                 raise ValueError("ignore_eos cannot be combined with a grammar (structured output)")
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with a grammar (structured output)")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

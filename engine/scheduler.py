@@ -12,6 +12,13 @@ slot is taken while a tenant with fewer slots waits, the newest sequences of the
 the most are preempted until the two differ by at most one (at most `MAX_FAIR_PREEMPTIONS` a
 step). One tenant alone still gets every slot; a second one's request does not wait for the
 first one's long requests to end.
+
+Parallel sampling (n > 1, `SequenceGroup`): a request's first sequence queues like any other; its
+siblings wait beside the queues until a running sequence of theirs has computed the prompt's full
+blocks (that sequence's prefill stops at the fork point while siblings wait, so it cannot sample
+and end before they fork), then join the running set on those blocks, shared, as slots and KV room
+allow. If every sequence of the group ends before some siblings could fork, those queue as plain
+requests (the prefix cache may still spare their prefill).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from specgate.engine.block_manager import BlockManager, blocks_for
-from specgate.engine.sequence import Sequence, SequenceStatus
+from specgate.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # Preemptions for fairness per step: each costs the victim's recomputation (its committed blocks
 # stay in the prefix cache), so a burst of new tenants is balanced over a few steps, not in one.
@@ -50,21 +57,82 @@ class Scheduler:
         # Sequences admitted in the last schedule() with a prefix-cache hit (their leading blocks
         # were not prefilled: a proposer drafting from target features needs those of the cache).
         self.hits: list[Sequence] = []
+        # Groups of n > 1 requests with siblings waiting to fork, in arrival order.
+        self.forking: list[SequenceGroup] = []
 
     def add(self, seq: Sequence) -> None:
+        group = seq.group
+        if group is not None and seq.index > 0 and group.fork_point > 0:
+            group.unforked.append(seq)  # forks once a sibling has computed the shared prompt
+            if group not in self.forking:
+                self.forking.append(group)
+            return
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running: queued, and siblings waiting to fork."""
+        return len(self.waiting) + sum(len(g.unforked) for g in self.forking)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
+        group = seq.group
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif group is not None and seq in group.unforked:
+            group.unforked.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if group is not None and group in self.forking:
+            self._settle(group)
+
+    def _settle(self, group: SequenceGroup) -> None:
+        """A group whose siblings can no longer fork (none left, or no sequence of it queued or
+        running to fork from) leaves `forking`; siblings left over queue as plain requests."""
+        if group.unforked and not group.active:
+            self.waiting.extend(group.unforked)
+            group.unforked.clear()
+        if not group.unforked:
+            self.forking.remove(group)
+
+    def _fork(self) -> None:
+        """Siblings of n > 1 requests start on a running sibling's shared prompt blocks, while batch
+        slots and KV room (their prompt tails, above the watermark) allow."""
+        bm = self.block_manager
+        for group in list(self.forking):
+            donor = group.donor()
+            if donor is None:
+                continue
+            shared = group.fork_point // bm.block_size
+            while group.unforked and len(self.running) < self.max_num_seqs:
+                seq = group.unforked[0]
+                tail = blocks_for(seq.num_tokens, bm.block_size) - shared
+                if tail + self.watermark_blocks > bm.num_free_blocks:
+                    break
+                group.unforked.pop(0)
+                bm.share(seq, donor, shared)
+                # Prompt tokens this sequence did not compute, as a prefix-cache hit reports them.
+                seq.stats.num_cached_tokens = seq.num_computed_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self.hits.append(seq)  # a feature-level proposer reads the shared blocks' features
+            if not group.unforked:
+                self.forking.remove(group)
+
+    @staticmethod
+    def _fork_cap(seq: Sequence, n: int) -> int:
+        """`n` tokens to compute, cut at the fork point while siblings wait to fork from `seq`: its
+        prefill stops where theirs will start (so it cannot sample, and end, before they fork), and
+        goes on with them in the next step."""
+        group = seq.group
+        if group is None or not group.unforked or seq.num_computed_tokens >= group.fork_point:
+            return n
+        return min(n, group.fork_point - seq.num_computed_tokens)
 
     def running_by_tenant(self) -> Counter[str]:
         return Counter(s.tenant for s in self.running)
@@ -123,6 +191,9 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSequence]:
         self._rebalance()
+        self.hits = []
+        if self.forking:
+            self._fork()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         # Decoding sequences first, then those part-way through their prompt.
@@ -132,7 +203,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._fork_cap(seq, min(seq.num_uncomputed_tokens, budget))
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -146,7 +217,6 @@ class Scheduler:
             budget -= n
         # Budget given back by preempted sequences is not reused this step: they just lost their blocks.
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
-        self.hits = []
         bm = self.block_manager
         held = self.running_by_tenant() if self.waiting else Counter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -154,6 +224,8 @@ class Scheduler:
             hits = bm.match(seq)
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
             n = min(seq.num_tokens - computed, budget)
+            if seq.group is not None and seq.group.unforked and computed < seq.group.fork_point:
+                n = min(n, seq.group.fork_point - computed)
             reserve = self.watermark_blocks if self.running else 0
             # Hit blocks that no sequence holds leave the free pool too.
             need = blocks_for(computed + n, bm.block_size) - len(seq.block_table) - len(hits)
@@ -171,4 +243,6 @@ class Scheduler:
             held[seq.tenant] += 1
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+        if self.forking:  # a prompt admitted on prefix-cache hits may have reached the fork point
+            self._fork()
         return scheduled

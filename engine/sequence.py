@@ -49,6 +49,19 @@ class Sequence:
     # Buffers filled between two `step()` results.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Parallel sampling (SamplingParams.n > 1): which of the request's sequences this is, and the
+    # group it belongs to (None for n == 1).
+    index: int = 0
+    group: SequenceGroup | None = None
+    # The sequence's own key (its proposer's state, the engine's table): the request id for the
+    # first sequence, "<request id>/<index>" for the others (filled in by __post_init__).
+    seq_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.index < 0:
+            raise ValueError(f"index must be >= 0, got {self.index}")
+        if not self.seq_id:
+            self.seq_id = self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
 
     @property
     def num_tokens(self) -> int:
@@ -69,3 +82,39 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """The n sequences of one request with n > 1, sampled from one prompt that is prefilled once.
+
+    The siblings of the first sequence wait in `unforked` (in no queue) until a sequence of the group
+    has computed the prompt's first `fork_point` tokens: its full blocks, the last prompt token
+    excluded (its logits are what each sequence samples from first). Each sibling then starts on that
+    sequence's blocks, shared and ref-counted (block_manager.share): full blocks are never written
+    again, so no copy-on-write is needed, and each computes only the prompt's tail (fewer than
+    block_size + 1 tokens) into blocks of its own. vLLM v1 shares the same way, through its prefix
+    cache; here sharing needs no cache entry, so it holds with prefix caching off or an unsalted
+    (private) request too.
+    """
+
+    request_id: str
+    fork_point: int  # prompt tokens the siblings share (a multiple of the block size; 0: none)
+    members: list[Sequence] = field(default_factory=list)  # all n, by index
+    unforked: list[Sequence] = field(default_factory=list)  # siblings waiting for a donor
+
+    def __post_init__(self) -> None:
+        if self.fork_point < 0:
+            raise ValueError(f"fork_point must be >= 0, got {self.fork_point}")
+
+    def donor(self) -> Sequence | None:
+        """A running sequence of the group whose leading blocks hold the shared prompt, if any."""
+        for seq in self.members:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= self.fork_point:
+                return seq
+        return None
+
+    @property
+    def active(self) -> bool:
+        """Whether a sequence of the group is in the scheduler's queues (waiting or running)."""
+        return any(not s.is_finished and s not in self.unforked for s in self.members)

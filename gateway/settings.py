@@ -157,6 +157,10 @@ class BackendSettings(BaseModel):
     # KV-cache use, speculation counters). None: `base_url` without its trailing /v1, plus /metrics.
     metrics_url: str | None = None
     scrape_metrics: bool = True  # False: its load is this gateway's own in-flight count alone
+    # It serves the OpenAI Responses API itself (vLLM, SGLang, llama-server): /v1/responses goes to
+    # its /responses as sent (the gateway keeps the stored conversation); False: it gets the request
+    # translated to chat completions, as the embedded engine does.
+    responses_api: bool = False
 
     @field_validator("models", mode="before")
     @classmethod

@@ -12,6 +12,8 @@ from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionR
 from specgate.policies.load import BackendLoad
 
 Kind = Literal["chat", "completion"]
+# The inference routes, as telemetry names them: a Responses API request runs as a chat call.
+Endpoint = Literal["chat", "completion", "responses"]
 
 
 @dataclass(slots=True)
@@ -44,6 +46,9 @@ class Observation:
     attempts: int = 0  # upstream attempts made, retries included
     # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
     spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    # Choices the backend generated for the call (the embedded engine's n > 1: the counts above
+    # cover all of them; the record's time per output token is each choice's).
+    n: int = 1
 
 
 @dataclass(slots=True)
@@ -67,6 +72,10 @@ class BackendCall:
     # engine shares its batch slots and queue fairly between tenants.
     tenant: str = ""
     body_bytes: int = 0  # the size of the request body as sent: what tokenizing it may cost
+    # A Responses API request: the body an upstream serving that API itself (`responses_api`) gets
+    # instead of the chat body; `responses_proxied` once such an upstream answered in its shape.
+    responses_body: dict[str, Any] | None = None
+    responses_proxied: bool = False
 
     @property
     def stream(self) -> bool:

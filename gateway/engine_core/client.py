@@ -64,9 +64,13 @@ class EngineCoreClient:
         self.last_error: str | None = None
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._pending = 0  # submitted, not yet taken by the engine
-        # Requests of each tenant submitted through this client and not yet finished.
+        # Sequences of each tenant submitted through this client and not yet finished (a request
+        # with n > 1 holds n batch slots: it counts n).
         self.in_engine: Counter[str] = Counter()
-        self._tenants: dict[str, str] = {}  # request id -> tenant, while in the engine
+        self._tenants: dict[str, tuple[str, int]] = {}  # request id -> (tenant, n), while in the engine
+        # Request id -> its sequences not yet finished (SamplingParams.n): a request with n > 1 is
+        # over when the last of its sequences is.
+        self._unfinished: dict[str, int] = {}
 
     # ---- what a transport provides --------------------------------------------------------------
 
@@ -106,16 +110,19 @@ class EngineCoreClient:
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = q
         self._pending += 1
-        self._tenants[request_id] = tenant
-        self.in_engine[tenant] += 1
+        self._tenants[request_id] = (tenant, params.n)
+        self._unfinished[request_id] = params.n
+        self.in_engine[tenant] += params.n
         self._send(AddRequest(request_id, prompt_ids, params, spec, cache_scope, prefix_salt, tenant))
         return q
 
     def _forget(self, request_id: str) -> None:
-        tenant = self._tenants.pop(request_id, None)
-        if tenant is not None:
-            self.in_engine[tenant] -= 1
-            if not self.in_engine[tenant]:
+        self._unfinished.pop(request_id, None)
+        held = self._tenants.pop(request_id, None)
+        if held is not None:
+            tenant, n = held
+            self.in_engine[tenant] -= n
+            if self.in_engine[tenant] <= 0:
                 del self.in_engine[tenant]
 
     def abort(self, request_id: str) -> None:
@@ -134,6 +141,7 @@ class EngineCoreClient:
             self._queues.pop(request_id).put_nowait(error)
         self._pending = 0
         self._tenants.clear()
+        self._unfinished.clear()
         self.in_engine.clear()
 
     def _apply(self, batch: Batch) -> None:
@@ -145,9 +153,15 @@ class EngineCoreClient:
             if q is None:
                 continue  # aborted by the gateway; nobody is listening
             q.put_nowait(item)
-            if isinstance(item, BaseException) or item.finished:
-                del self._queues[request_id]
-                self._forget(request_id)
+            if not isinstance(item, BaseException):
+                if not item.finished:
+                    continue
+                left = self._unfinished.get(request_id, 1) - 1
+                if left > 0:  # other sequences of this request (n > 1) go on
+                    self._unfinished[request_id] = left
+                    continue
+            del self._queues[request_id]
+            self._forget(request_id)
 
 
 # ---- in-process ----------------------------------------------------------------------------------

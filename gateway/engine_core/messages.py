@@ -22,7 +22,9 @@ READY, REBUILDING = "ready", "rebuilding"
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """One request for the engine, with the arguments of `Engine.add_request`."""
+    """One request for the engine, with the arguments of `Engine.add_request`. `params.n` > 1 asks
+    for n sequences of one prefilled prompt (parallel sampling): their outputs come as the request's,
+    each naming its sequence (`RequestOutput.index`), and the request is over when all n are."""
 
     request_id: str
     prompt_ids: list[int]

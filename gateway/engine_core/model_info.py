@@ -36,10 +36,15 @@ class ModelInfo:
     # The configured chat template (`embedded.chat_template`: a built-in name or Jinja), which
     # overrides the tokenizer's own. The gateway side sets it (it renders chat; the core never does).
     chat_template: str | None = None
+    # The KV pool: what the n sequences of one request (n > 1) must fit in together.
+    kv_blocks: int = 1 << 30
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.max_model_len < 1 or self.max_token_chars < 1:
             raise ValueError("vocab_size, max_model_len and max_token_chars must be positive")
+        if self.kv_blocks < 1 or self.block_size < 1:
+            raise ValueError("kv_blocks and block_size must be positive")
 
     @classmethod
     def of(cls, engine: Engine) -> ModelInfo:
@@ -56,6 +61,8 @@ class ModelInfo:
             buildable_methods(engine),
             proposer_names(),
             longest_token(engine.tokenizer),
+            kv_blocks=engine.block_manager.num_blocks,
+            block_size=engine.block_manager.block_size,
         )
 
 

@@ -50,6 +50,8 @@ class _Conn:
     frames: Frames = field(default_factory=Frames)
     out: bytearray = field(default_factory=bytearray)  # what the socket could not take yet
     owned: set[str] = field(default_factory=set)  # engine ids of its requests still in the engine
+    # Engine id -> its sequences not yet finished, for requests with n > 1 (SamplingParams.n).
+    unfinished: dict[str, int] = field(default_factory=dict)
     taken: int = 0  # its submissions handed to the engine since its last batch
 
     def engine_id(self, request_id: str) -> str:
@@ -162,11 +164,14 @@ class SocketConnections:
                 case AddRequest(request_id=request_id):
                     add = dataclasses.replace(message, request_id=conn.engine_id(request_id))
                     conn.owned.add(add.request_id)
+                    if add.params.n > 1:
+                        conn.unfinished[add.request_id] = add.params.n
                     self._inbox.append((conn, add))
                 case AbortRequest(request_id=request_id):
                     engine_id = conn.engine_id(request_id)
                     if engine_id in conn.owned:
                         conn.owned.discard(engine_id)
+                        conn.unfinished.pop(engine_id, None)
                         self._inbox.append((conn, AbortRequest(engine_id)))
                 case Shutdown():
                     pass  # the core is shared: only the supervisor stops it
@@ -189,6 +194,7 @@ class SocketConnections:
             len(self._conns),
         )
         conn.owned.clear()
+        conn.unfinished.clear()
 
     # ---- what the core publishes ----------------------------------------------------------------
 
@@ -204,8 +210,13 @@ class SocketConnections:
             if isinstance(item, RequestOutput):
                 item.request_id = request_id
             mine.setdefault(conn.serial, []).append((request_id, item))
+            if isinstance(item, RequestOutput) and item.finished and engine_id in conn.unfinished:
+                conn.unfinished[engine_id] -= 1
+                if conn.unfinished[engine_id] > 0:
+                    continue  # other sequences of this request (n > 1) go on
             if isinstance(item, BaseException) or item.finished:
                 conn.owned.discard(engine_id)
+                conn.unfinished.pop(engine_id, None)
         for conn in list(self._conns.values()):
             news = Batch(
                 mine.get(conn.serial, []),

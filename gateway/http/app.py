@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specgate.gateway.http import openapi
@@ -22,14 +23,19 @@ from specgate.gateway.http.routes import (
     admin_timeseries,
     admin_ui,
     admin_ui_session,
+    embeddings,
     health,
     inference,
     models,
+    responses,
+    tokenize,
 )
 from specgate.gateway.http.ui.dashboard_auth import DashboardAuth, admin_guard
 from specgate.gateway.http.worker_header import WorkerHeader
 from specgate.gateway.protocol.admin_schemas import PolicyPatch, RetrainRequest
 from specgate.gateway.protocol.dashboard_schemas import SignIn
+from specgate.gateway.protocol.passthrough_schemas import PASSTHROUGH_BODIES
+from specgate.gateway.protocol.responses import ResponsesRequest
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.services import Services
 from specgate.gateway.settings import Settings
@@ -87,10 +93,13 @@ def create_app(
     app.state.dashboard = DashboardAuth.build(settings, app.state.admin_guard, shared)
     # admin_policy_diff before admin_policy: /admin/policy/diff is a path of its own.
     routers = (models, health, admin_policy_diff, admin_policy, admin_ops, admin_timeseries)
-    for module in (*routers, admin_ui_session, admin_ui):
+    passthrough = (embeddings, tokenize)
+    for module in (*routers, *passthrough, responses, admin_ui_session, admin_ui):
         app.include_router(module.router)
     raw = {op.path: openapi.operation(op.summary, op.operation_id, op.model) for op in inference.OPERATIONS}
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest, SignIn], raw)
+    bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, PolicyPatch, RetrainRequest]
+    raw[responses.PATH] = openapi.operation(responses.SUMMARY, responses.OPERATION_ID, ResponsesRequest)
+    openapi.install(app, [*bodies, SignIn, *PASSTHROUGH_BODIES, ResponsesRequest], raw)
     edge: dict[str, Any] = {
         "max_body_bytes": settings.max_body_bytes,
         "trusted_proxies": settings.trusted_proxies,
@@ -104,6 +113,8 @@ def create_app(
     for op in inference.OPERATIONS:
         fast: ASGIApp = GatewayMiddleware(inference.endpoint(op), **edge)
         app.fast_routes[op.path] = WorkerHeader(fast) if several else fast
+    fast = GatewayMiddleware(responses.endpoint(), **edge)  # POST /v1/responses, as the chat route
+    app.fast_routes[responses.PATH] = WorkerHeader(fast) if several else fast
     return app
 
 

@@ -25,7 +25,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specgate.gateway.backends.base import Kind
+from specgate.gateway.backends.base import Endpoint
+from specgate.gateway.backends.relay import Relayed
 from specgate.gateway.http.auth import (
     bearer,
     check_key,
@@ -43,7 +44,17 @@ from specgate.gateway.request.tracker import RequestTracker
 
 logger = logging.getLogger("specgate.gateway")
 _SANE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
-INFERENCE_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INFERENCE_PATHS: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+}
+# Pass-through routes (routes/embeddings.py) that reach a backend: tracked, one row each, like the above.
+RELAYED_PATHS: dict[str, Relayed] = {
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+}
 REFUSALS = (401, 413)  # answers that cost the sender's address a token of its refusal budget
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes are never turned away
 
@@ -92,7 +103,9 @@ class GatewayMiddleware:
             if scheme is not None:
                 scope["scheme"] = scheme
         bucket = state["client_bucket"] = limit_key(addr)  # an IPv6 client's /64: it holds many
-        endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
+        endpoint = None
+        if scope["method"] == "POST":
+            endpoint = INFERENCE_PATHS.get(scope["path"]) or RELAYED_PATHS.get(scope["path"])
         tracker = None
         if endpoint is not None and services is not None:
             context = RequestContext(

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,12 +30,33 @@ from specgate.gateway.services import Services
 logger = logging.getLogger("specgate.gateway")
 
 
+class Shape(Protocol):
+    """How an answer leaves the gateway in another API's shape (the Responses API: a chat answer
+    made a `response`, stored before the client has it). The pipeline is chat's, to the byte."""
+
+    def prepare(self, call: BackendCall) -> None:
+        """The call is made, before any backend sees it."""
+
+    async def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer (its `metrics` final), as the client gets it."""
+
+    def events(self, chunk: dict[str, Any]) -> list[bytes]:
+        """One chunk (the final one with its `metrics`) as the client's events."""
+
+    async def end(self, metrics: dict[str, Any] | None) -> list[bytes]:
+        """The stream's last events; `metrics`: the route's, for an answer that had none."""
+
+    def failed(self, error: GatewayError) -> bytes:
+        """The event that ends a stream failing after it started."""
+
+
 async def handle(
     svc: Services,
     request: Request,
     tracker: RequestTracker,
     parsed: ChatCompletionRequest | CompletionRequest,
     kind: Kind,
+    shape: Shape | None = None,
 ) -> Response:
     ctx, caller = tracker.context, tracker.caller
     assert caller is not None  # the route checks the key before the body
@@ -62,6 +83,8 @@ async def handle(
             tenant=caller.tenant,
             body_bytes=tracker.body_bytes,
         )
+        if shape is not None:
+            shape.prepare(call)
         candidates = [b for b in (svc.registry.get(n) for n in decision.backends) if b is not None]
         tracker.overhead_ms = (time.perf_counter() - ctx.arrival_perf) * 1e3
         held = getattr(request.state, "held", None)
@@ -71,12 +94,14 @@ async def handle(
             streaming = True
             done = _Closer(tracker, rest, held)
             return EventStreamResponse(
-                _events(svc, tracker, call, first, rest, external, done), on_close=done
+                _events(svc, tracker, call, first, rest, external, done, shape), on_close=done
             )
         body, backend = await until_disconnect(request, dispatch.complete(call, candidates))
         if _note_failover(svc, call, backend, decision.backends):
             # The embedded engine writes its own metrics; anything else gets ours (theirs nested).
             body["metrics"] = _external_metrics(call, body.get("metrics"))
+        if shape is not None:
+            body = await shape.body(body)
         release(held)  # the answer is made: the client may send its next request as it reads it
         return SafeJSONResponse(body)
     except ClientDisconnected:
@@ -97,6 +122,7 @@ async def _events(
     rest: AsyncIterator[dict[str, Any]],
     external: bool,
     done: _Closer,
+    shape: Shape | None = None,
 ) -> AsyncIterator[bytes]:
     try:
         chunk: dict[str, Any] | None = first
@@ -105,20 +131,29 @@ async def _events(
             final = (choices and choices[0].get("finish_reason")) or (not choices and chunk.get("usage"))
             if final and ("metrics" not in chunk or external):
                 chunk["metrics"] = _external_metrics(call, chunk.get("metrics"))
-                yield sse(chunk)
-            else:  # an upstream's event goes on as the bytes it came as, if it has them
+                if shape is None:
+                    yield sse(chunk)
+            elif shape is None:  # an upstream's event goes on as the bytes it came as, if it has them
                 yield chunk.event if isinstance(chunk, RelayedChunk) else sse(chunk)
+            if shape is not None:
+                for event in shape.events(chunk):
+                    yield event
             chunk = await anext(rest, None)
+        if shape is None:
+            tail = [DONE]
+        else:  # a proxied Responses stream has no final chunk: the route's metrics go on its end
+            tail = await shape.end(_external_metrics(call, None) if external else None)
         done.completed = True  # everything is out but the end marker
         release(done.held)  # before the client reads the end and sends its next request
-        yield DONE
+        for event in tail:
+            yield event
     except GatewayError as err:
         error = err.for_client(svc.settings.retry_after_seconds)
         tracker.failed(error.code or "backend_error")
         logger.warning("stream %s failed after it started: %s", call.request_id, err.message)
         done.completed = True
         release(done.held)
-        yield error.sse_event()
+        yield error.sse_event() if shape is None else shape.failed(error)
     except (asyncio.CancelledError, GeneratorExit):
         tracker.cancelled()
         raise
@@ -127,7 +162,8 @@ async def _events(
         tracker.failed("internal_error")
         done.completed = True
         release(done.held)
-        yield GatewayError(500, "internal server error", code="internal_error").sse_event()
+        internal = GatewayError(500, "internal server error", code="internal_error")
+        yield internal.sse_event() if shape is None else shape.failed(internal)
     finally:
         await done()
 

@@ -32,8 +32,9 @@ def chat_chunk(
     delta: dict[str, Any],
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,  # the choice (n > 1)
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -50,13 +51,26 @@ def completion_chunk(
     text: str,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,  # the choice (n > 1)
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = completion_choice(index, text, finish_reason, logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def chat_choice(
+    index: int, message: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_response(
@@ -68,7 +82,7 @@ def chat_response(
     use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = chat_choice(0, message, finish_reason, logprobs)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -88,7 +102,7 @@ def completion_response(
     use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = completion_choice(0, text, finish_reason, logprobs)
     return {
         "id": rid,
         "object": "text_completion",
@@ -162,6 +176,17 @@ def metrics_from_stats(stats: RequestStats, route: RouteDecision | None) -> dict
     out["spec_token_acceptance_counts"] = (
         [spec.num_drafts, *spec.num_accepted_tokens_per_pos] if spec else None
     )
+    return out
+
+
+def metrics_of_choices(stats: Sequence[RequestStats], route: RouteDecision | None) -> dict[str, Any]:
+    """`metrics` of a request with n > 1 choices: its sequences' counters together
+    (RequestStats.merged: tokens and speculation counters summed, the earliest first token), `tpot`
+    the mean of each choice's own, and `n`."""
+    out = metrics_from_stats(RequestStats.merged(stats), route)
+    tpots = [t for t in (s.tpot for s in stats) if t is not None]
+    out["tpot"] = sum(tpots) / len(tpots) if tpots else None
+    out["n"] = len(stats)
     return out
 
 

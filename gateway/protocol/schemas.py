@@ -175,7 +175,8 @@ class _Sampling(_Edge):
     )
     spec: SpecRequest | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
-    # fields (aliases of structured_outputs' keys). External backends get them as sent.
+    # fields (aliases of structured_outputs' keys), llama.cpp's json_schema and grammar. External
+    # backends get them as sent; the embedded engine enforces or refuses each (embedded/structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: Schema | None = None
@@ -184,6 +185,9 @@ class _Sampling(_Edge):
     guided_grammar: Grammar | None = None
     guided_decoding_backend: Annotated[str, Field(max_length=64)] | None = None
     guided_whitespace_pattern: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # llama.cpp's server fields: a JSON schema (object, or its JSON text) and a GBNF grammar.
+    json_schema: Schema | None = None
+    grammar: Grammar | None = None
 
     @field_validator("logit_bias")
     @classmethod

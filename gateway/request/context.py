@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specgate.gateway.backends.base import Kind
+from specgate.gateway.backends.base import Endpoint
+from specgate.gateway.backends.relay import Relayed
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +15,7 @@ class RequestContext:
     request_id: str  # the gateway's own id (random), the row's key
     # The client's own x-request-id, kept as sent (it may repeat); never used as a key.
     client_request_id: str | None
-    endpoint: Kind  # which inference route: chat or completion
+    endpoint: Endpoint | Relayed  # chat, completion, responses, or a pass-through (embeddings, rerank)
     arrival_time: float  # unix seconds
     arrival_perf: float  # time.perf_counter() at arrival: the gateway's own overhead is timed from it
     client_addr: str

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specgate.gateway.backends.base import BackendCall, Observation
+from specgate.gateway.backends.relay import RelayCall
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.request.context import Caller, RequestContext
 from specgate.gateway.telemetry.records import RequestRecord
@@ -31,7 +32,7 @@ class RequestTracker:
     stream: bool = False
     load: Load | None = None  # the load the router saw
     decision: RouteDecision | None = None
-    call: BackendCall | None = None
+    call: BackendCall | RelayCall | None = None  # a RelayCall: a pass-through (embeddings, rerank)
     overhead_ms: float | None = None  # gateway time before the backend was called
     outcome: Outcome = "ok"  # decided along the way only by what the status cannot tell
     error_code: str | None = None
@@ -109,4 +110,5 @@ class RequestTracker:
             upstream=obs.upstream,
             overhead_ms=self.overhead_ms,
             spec_steps=obs.spec_steps,
+            n=obs.n,
         )

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from specgate.gateway.backends.base import Backend, BackendCall
+from specgate.gateway.backends.relay import RelayCall
+from specgate.gateway.backends.upstream.backend import OpenAIBackend
 from specgate.gateway.protocol.errors import GatewayError
 
 logger = logging.getLogger("specgate.gateway")
@@ -82,6 +84,25 @@ async def open_stream(
             await _close(stream)
             raise
         return first, stream, backend
+    raise _exhausted(errors)
+
+
+async def relay(call: RelayCall, candidates: list[OpenAIBackend]) -> tuple[dict[str, Any], OpenAIBackend]:
+    """A pass-through call (embeddings, tokenize, ...): the first answer, failing over as `complete`
+    does; the call's observation names the backend that served it."""
+    errors: list[GatewayError] = []
+    up = [b for b in candidates if b.healthy]
+    for backend in up + [b for b in candidates if not b.healthy]:
+        call.observed.backend = backend.name
+        try:
+            return await backend.relay(call), backend
+        except GatewayError as err:
+            if not err.retryable:
+                raise
+            logger.info(
+                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
+            )
+            errors.append(err)
     raise _exhausted(errors)
 
 

@@ -19,7 +19,7 @@ from specgate.policies.load import Load
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     request_id: str
-    endpoint: str  # "chat" | "completion"
+    endpoint: str  # "chat" | "completion" | "embeddings" | "rerank"
     model: str
     arrival_time: float  # unix seconds
     stream: bool
@@ -50,6 +50,9 @@ class RequestRecord:
     overhead_ms: float | None = None  # gateway time before the backend was called
     # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.
     spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    # Choices generated (n > 1 on the embedded engine): the token counts cover them all, so the time
+    # per output token divides by each choice's share. Not a column: the row does not keep it.
+    n: int = 1
 
     @property
     def workload_class(self) -> str | None:
@@ -81,7 +84,8 @@ class RequestRecord:
     def tpot_ms(self) -> float | None:
         if self.backend_tpot_ms is not None:
             return self.backend_tpot_ms
-        n = self.completion_tokens or 0
+        # n > 1 choices decode side by side: each choice's tokens, not their sum, take the time.
+        n = (self.completion_tokens or 0) / max(1, self.n)
         if self.first_token_time is None or self.finished_time is None or n < 2:
             return None
         return (self.finished_time - self.first_token_time) * 1e3 / (n - 1)

@@ -184,3 +184,24 @@ dashboard_revocations = Table(
     Column("expires_at", Float, nullable=False),
     Index(None, "expires_at"),
 )
+
+# Stored Responses API responses (`store`, default true): each one's conversation so far (`input`:
+# the items it was given, the conversation it continued first) and what it answered (`output`),
+# for `previous_response_id`, GET and DELETE /v1/responses/{id}. Only the key that created one
+# (`owner`: its key id, or `addr:...` in open mode) may read or continue it.
+responses = Table(
+    "responses",
+    metadata,
+    Column("response_id", String(160), primary_key=True),
+    Column("owner", String(128), nullable=False),
+    Column("created_at", Float, nullable=False),  # unix seconds
+    Column("model", String(256), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("previous_response_id", String(160)),
+    Column("input_tokens", Integer),
+    Column("output_tokens", Integer),
+    Column("input_items", JSON, nullable=False),
+    Column("output_items", JSON, nullable=False),
+    Column("response", JSON, nullable=False),  # the response object as answered, output included
+    Index(None, "owner", "created_at"),
+)

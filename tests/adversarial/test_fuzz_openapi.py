@@ -129,6 +129,87 @@ def test_fuzz_inference_routes(target: LiveGateway, model: str, path: str) -> No
     assert statuses.count(200) >= 5, statuses  # the schema is precise enough to reach the engine
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/rerank", "/tokenize", "/detokenize"])
+def test_fuzz_passthrough_routes(target: LiveGateway, model: str, path: str) -> None:
+    """The embedded model serves /tokenize and /detokenize and refuses embeddings and rerank (no
+    external backend here): never a 500, and one row per embeddings / rerank request."""
+    sent: list[str] = []
+    keys = ["model", "input", "prompt", "messages", "content", "tokens", "query", "documents", "dimensions"]
+    mutation = st.none() | st.tuples(st.sampled_from(keys), st.sampled_from(HOSTILE_VALUES))
+
+    def shape(body: dict[str, Any], use_model: bool, change: tuple[str, Any] | None) -> dict[str, Any]:
+        body = dict(body)
+        if use_model:
+            body["model"] = model
+        if change is not None:
+            body[change[0]] = change[1]
+        return body
+
+    @settings(FUZZ, max_examples=30)
+    @given(st.builds(shape, _drawn(target, "POST", path), st.booleans(), mutation))
+    def one(body: dict[str, Any]) -> None:
+        rid = f"fuzz-{uuid.uuid4().hex}"
+        sent.append(rid)
+        r = send(target, path, body, {"x-request-id": rid})
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            assert_openai_error(r)
+
+    statuses: list[int] = []
+    one()
+    assert_whole(target)
+    tracked = path in ("/v1/embeddings", "/v1/rerank")
+    assert set(rows_for(target, sent).values()) == ({1} if tracked else {0})
+    if not tracked:  # the schema is precise enough to reach the tokenizer
+        assert statuses.count(200) >= 2, statuses
+
+
+def test_fuzz_responses_route(target: LiveGateway, model: str) -> None:
+    """POST /v1/responses: translated to chat, so the same guarantees, and a stream that fails after
+    it started ends with `response.failed`, never an internal error."""
+    sent: list[str] = []
+    statuses: list[int] = []
+    keys = ["input", "instructions", "tools", "tool_choice", "text", "reasoning", "metadata", "stream"]
+    keys += ["temperature", "previous_response_id", "store", "max_output_tokens", "model"]
+    mutation = st.none() | st.tuples(st.sampled_from(keys), st.sampled_from(HOSTILE_VALUES))
+
+    def shape(body: dict[str, Any], use_model: bool, change: tuple[str, Any] | None) -> dict[str, Any]:
+        body = dict(body)
+        if use_model:
+            body["model"] = model
+        body.setdefault("input", "Hi")  # optional in the schema, but without it there is nothing to answer
+        body.pop("previous_response_id", None)  # a drawn id names no stored response: always a 400
+        cap = body.get("max_output_tokens")
+        body["max_output_tokens"] = min(cap, 4) if isinstance(cap, int) and cap >= 1 else 4
+        if change is not None:
+            body[change[0]] = change[1]
+        return body
+
+    @settings(FUZZ, max_examples=40)
+    @given(st.builds(shape, _drawn(target, "POST", "/v1/responses"), served_model(), mutation))
+    def one(body: dict[str, Any]) -> None:
+        rid = f"fuzz-{uuid.uuid4().hex}"
+        sent.append(rid)
+        r = send(target, "/v1/responses", body, {"x-request-id": rid})
+        statuses.append(r.status_code)
+        if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+            for line in r.text.splitlines():
+                if line.startswith("data: {") and '"response.failed"' in line:
+                    event = json.loads(line[6:])
+                    assert event["response"]["error"]["code"] != "internal_error", event
+        elif r.status_code != 200:
+            assert_openai_error(r)
+
+    one()
+    assert_whole(target)
+    assert set(rows_for(target, sent).values()) == {1}
+    assert statuses.count(200) >= 3, statuses
+
+
+def served_model() -> st.SearchStrategy[bool]:
+    return st.sampled_from([True, True, True, False])
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [("PUT", "/admin/policy"), ("POST", "/admin/route/explain"), ("POST", "/admin/policy/retrain")],

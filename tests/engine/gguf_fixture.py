@@ -13,6 +13,7 @@ conversion cache's `-meta` directory), so the file itself needs only its tensors
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,4 +188,96 @@ def write_gguf(
     meta.mkdir(parents=True, exist_ok=True)
     (meta_config or config).save_pretrained(meta)  # type: ignore[attr-defined]
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(meta)
+    return out
+
+
+# ---- running the engine on these files (tests/engine/models) ----------------------------------
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def gguf_engine(files: dict[str, tuple[Path, Path]], name: str, **kw: object) -> Any:
+    """An fp32 engine on the file `files[name][0]` (the metadata under `files["cache"]`)."""
+    from specgate.engine.config import EngineConfig
+    from specgate.engine.engine import Engine
+
+    args: dict[str, Any] = dict(
+        model=str(files[name][0]),
+        convert_cache_dir=str(files["cache"][0]),
+        dtype="float32",
+        block_size=4,
+        num_blocks=256,
+    )
+    args.update(kw)
+    return Engine(EngineConfig(**args))
+
+
+def dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
+    """The Hugging Face model with the file's weights, dequantized by gguf-py (float32), as stored
+    weights map back (Llama rows unpermuted, Gemma norms less their offset)."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from specgate.engine.models.gguf_weights import unpermute_rows
+
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
+    model_type = model.config.model_type
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            target = gguf_name(name, model_type)
+            t = tensors[target]
+            values = np.array(quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tensor.shape))
+            if model_type in PERMUTED and (".attn_q." in target or ".attn_k." in target):
+                values = values[unpermute_rows(values.shape[0], heads if ".attn_q." in target else kv)]
+            if target.endswith("norm.weight"):
+                values = values - NORM_OFFSET.get(model_type, 0.0)
+            tensor.copy_(torch.from_numpy(values))
+    return model
+
+
+def quantize_inputs(model: torch.nn.Module) -> None:
+    """Make every linear layer of `model` see its input as the kernels do: each row quantized to
+    8 bits in blocks of 256 (then 64), one scale per block, rounded half to even."""
+    from tests.engine.kernels.test_gguf_kernels import quantized_activations
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        return (quantized_activations(rows).to(x.dtype).view(x.shape),)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(hook)
+
+
+def step_logits(engine: Any) -> list[torch.Tensor]:
+    """Every step's logits from now on (a list the engine's runner appends to)."""
+    captured: list[torch.Tensor] = []
+    run = engine.runner.execute_with_hidden
+
+    def capture(items, hidden):  # type: ignore[no-untyped-def]
+        out = run(items, hidden)
+        captured.append(out[0].clone())
+        return out
+
+    engine.runner.execute_with_hidden = capture
+    return captured
+
+
+def run_greedy(
+    engine: Any, prompts: list[list[int]], n: int, spec: Any = None, finals: dict[str, Any] | None = None
+) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt by request id; `finals` gets each request's last output."""
+    from specgate.engine.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY), spec)  # type: ignore[arg-type]
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if finals is not None:
+                finals[o.request_id] = o
     return out

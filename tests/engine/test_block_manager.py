@@ -337,3 +337,22 @@ def test_without_caching_nothing_is_matched_or_published() -> None:
     assert bm.num_cached_blocks == 0 and admit(bm, make_seq(14, "b")) == []
     bm.free(a)
     assert bm.num_free_blocks == 16
+
+
+def test_share_gives_a_fork_the_donors_full_blocks_by_reference() -> None:
+    bm = BlockManager(8, 4)
+    donor, fork = make_seq(10, "d"), make_seq(10, "d/1")
+    bm.allocate(donor, 10)  # 3 blocks
+    with pytest.raises(ValueError, match="computed"):
+        bm.share(fork, donor, 2)  # nothing computed yet
+    donor.num_computed_tokens = 8
+    bm.share(fork, donor, 2)
+    assert fork.block_table == donor.block_table[:2] and fork.num_computed_tokens == 8
+    assert [bm.ref_count(b) for b in donor.block_table] == [2, 2, 1]
+    assert bm.num_used_blocks == 3 and (bm.queried_tokens, bm.hit_tokens) == (0, 0)
+    bm.allocate(fork, 10)  # its own tail block
+    assert bm.num_used_blocks == 4
+    bm.free(donor)
+    assert [bm.ref_count(b) for b in fork.block_table] == [1, 1, 1] and bm.num_used_blocks == 3
+    bm.free(fork)
+    assert bm.num_used_blocks == 0

@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible upstream for the gateway's external-backend tests.
 
-`FakeUpstream` serves GET /v1/models, POST /v1/chat/completions and POST /v1/completions on a free
-loopback port, from its own event loop in a background thread. It answers normally (a JSON body,
+`FakeUpstream` serves GET /v1/models, POST /v1/chat/completions and POST /v1/completions (and the
+pass-through endpoints: /v1/embeddings, /v1/rerank, /tokenize, /detokenize) on a free loopback port,
+from its own event loop in a background thread. It answers normally (a JSON body,
 or an SSE stream when the request says `stream: true`) unless a test scripted the next answers:
 
     fake.script(Reply.error(503), Reply.error(429, retry_after="1"))  # the next two POSTs
@@ -25,7 +26,9 @@ single byte, or in the middle of a chunked stream.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -42,6 +45,9 @@ from specgate.gateway.settings import BackendSettings, Settings
 from tests.gateway.live import TEST_ADMIN_KEY, LiveGateway, start_gateway
 
 PROMPT_TOKENS = 7
+# The pass-through endpoints it serves (with `passthrough` on): vLLM's paths, /tokenize below the root.
+PASSTHROUGH = ("/v1/embeddings", "/v1/rerank", "/tokenize", "/detokenize")
+EMBEDDING_DIM = 4
 
 # One client for the tests' plain HTTP calls (a new httpx.Client costs tens of milliseconds).
 HTTP = httpx.Client(timeout=20)
@@ -137,6 +143,8 @@ class FakeUpstream:
         self.metrics_text: str | None = None
         self.metrics_reply: Reply | None = None
         self.scrapes = 0
+        # Serve the pass-through endpoints (PASSTHROUGH); False: 404 for them, as a chat-only server.
+        self.passthrough = True
         self._script: deque[Reply] = deque()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -263,7 +271,8 @@ class FakeUpstream:
         if method == "GET" and path == "/metrics" and (self.metrics_reply or self.metrics_text) is not None:
             self.scrapes += 1
             return await self._metrics(conn, writer)
-        if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
+        served = ("/v1/chat/completions", "/v1/completions", *(PASSTHROUGH if self.passthrough else ()))
+        if method != "POST" or path not in served:
             await _send_json(conn, writer, 404, _error_body("not found", "not_found_error"))
             return True
         try:
@@ -283,6 +292,9 @@ class FakeUpstream:
             await _send_json(conn, writer, reply.status, err, headers_out)
             return True
         body = body if isinstance(body, dict) else {}
+        if path in PASSTHROUGH:
+            await _send_json(conn, writer, 200, _passthrough_answer(path, body, reply))
+            return True
         chat = path.endswith("/chat/completions")
         if body.get("stream"):
             return await self._stream(conn, writer, body, chat, reply)
@@ -423,6 +435,42 @@ class FakeUpstream:
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
         return True
+
+
+def fake_embedding(item: Any) -> list[float]:
+    """The fake's embedding of one input: its length, then fixed values (what a test can predict)."""
+    return [float(len(item)), 0.5, -0.25, 1.0][:EMBEDDING_DIM]
+
+
+def _passthrough_answer(path: str, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    """vLLM's answers: embeddings (float or base64, as asked), rerank, tokenize (one token per
+    character; llama.cpp's shape for `content`), detokenize."""
+    out: dict[str, Any]
+    if path == "/v1/embeddings":
+        raw = body.get("input")
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw or [])
+        data = []
+        for i, item in enumerate(items):
+            vec: Any = fake_embedding(item)
+            if body.get("encoding_format") == "base64":
+                vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        tokens = sum(len(item) for item in items)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens, **reply.usage}
+        out = {"object": "list", "model": body.get("model"), "data": data, "usage": usage}
+    elif path == "/v1/rerank":
+        docs = body.get("documents") or []
+        results = [{"index": i, "relevance_score": 1.0 / (i + 1)} for i in range(len(docs))]
+        out = {"id": "rerank-1", "model": body.get("model"), "results": results, "usage": {"total_tokens": 3}}
+    elif path == "/tokenize":
+        text = body.get("content", body.get("prompt")) or ""
+        ids = [ord(c) for c in text]
+        vllm = {"count": len(ids), "max_model_len": 4096, "tokens": ids}
+        out = {"tokens": ids} if "content" in body else vllm
+    else:
+        out = {"prompt": "".join(chr(t) for t in body.get("tokens") or [])}
+    out.update(reply.extra)
+    return out
 
 
 def _usage(completion_tokens: int) -> dict[str, int]:

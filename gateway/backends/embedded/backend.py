@@ -12,11 +12,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from specgate.engine.model_source import resolve_model
-from specgate.engine.outputs import RequestOutput
+from specgate.engine.outputs import RequestOutput, RequestStats, TokenLogprob
 from specgate.engine.spec_decode.params import SpecParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import check_template
-from specgate.gateway.backends.embedded.chunks import ChunkWriter, final_body
+from specgate.gateway.backends.embedded.chunks import Answer, ChunkWriter, final_body, metrics_of, usage_of
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
 from specgate.gateway.engine_core.client import EngineCoreClient, InprocClient, connect, start_in_process
 from specgate.gateway.engine_core.messages import EngineUnavailable
@@ -75,7 +75,8 @@ class EmbeddedBackend:
         return self.client is not None and self.client.ready
 
     def load(self) -> BackendLoad:
-        """In flight: this process's requests in the engine (its batch and queue: `Load` has them)."""
+        """In flight: this process's requests in the engine (its batch and queue: `Load` has them),
+        a request with n > 1 counting its n sequences."""
         client = self.client
         n = sum(client.in_engine.values()) if client is not None else 0
         return BackendLoad(n, None, self.healthy, external=False)
@@ -241,8 +242,12 @@ class EmbeddedBackend:
             raise GatewayError(400, msg, code="invalid_spec_method", param="spec.method")
         return s
 
-    async def _outputs(self, call: BackendCall, q: asyncio.Queue[Any]) -> AsyncGenerator[RequestOutput, None]:
+    async def _outputs(
+        self, call: BackendCall, q: asyncio.Queue[Any], n: int = 1
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs, its n sequences' interleaved, until all n have finished."""
         finished = False
+        unfinished = n
         try:
             while True:
                 item = await q.get()
@@ -263,9 +268,12 @@ class EmbeddedBackend:
                     )
                 if call.observed.first_token_time is None and item.new_token_ids:
                     call.observed.first_token_time = time.time()
-                # Known once the prompt is scheduled: a request cancelled later still reports it.
-                call.observed.cached_tokens = item.stats.num_cached_tokens
-                finished = item.finished
+                # Known once the prompt is scheduled: a request cancelled later still reports it. The
+                # first sequence prefilled the prompt (the others started on its blocks).
+                if item.index == 0:
+                    call.observed.cached_tokens = item.stats.num_cached_tokens
+                unfinished -= item.finished
+                finished = not unfinished
                 yield item
                 if finished:
                     return
@@ -273,13 +281,17 @@ class EmbeddedBackend:
             if not finished and self.client is not None:
                 self.client.abort(call.engine_id)  # client gone or cancelled: free the KV blocks now
 
-    def _observe_final(self, call: BackendCall, out: RequestOutput) -> None:
+    def _observe_final(self, call: BackendCall, finals: list[RequestOutput]) -> None:
+        """The request's counts, all of its sequences together (one request, one record): completion
+        tokens and speculation counters summed, the first choice's finish reason."""
         obs = call.observed
-        obs.finish_reason = out.finish_reason
-        obs.completion_tokens = out.stats.num_output_tokens
-        obs.queue_time = out.stats.queue_time
-        obs.spec_decoding = fmt.spec_decoding(out.stats)
-        st = out.stats.spec
+        stats = finals[0].stats if len(finals) == 1 else RequestStats.merged([o.stats for o in finals])
+        obs.n = len(finals)
+        obs.finish_reason = finals[0].finish_reason
+        obs.completion_tokens = stats.num_output_tokens
+        obs.queue_time = stats.queue_time
+        obs.spec_decoding = fmt.spec_decoding(stats)
+        st = stats.spec
         if st is not None:
             obs.spec_steps = list(
                 zip(
@@ -294,29 +306,35 @@ class EmbeddedBackend:
 
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         prep, q = await self._submit(call)
-        text, lps, final = [], [], None
-        async for out in self._outputs(call, q):
-            text.append(out.new_text)
-            lps.extend(out.logprobs or [])
-            final = out
-        assert final is not None
-        self._observe_final(call, final)
-        use = fmt.usage(len(prep.prompt_ids), final.stats.num_output_tokens, final.stats.num_cached_tokens)
-        body = final_body(call, prep, "".join(text), lps, final.finish_reason, use, self._token_text)
-        body["metrics"] = fmt.metrics_from_stats(final.stats, call.route)
+        texts: list[list[str]] = [[] for _ in range(prep.n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(prep.n)]
+        finals: dict[int, RequestOutput] = {}
+        async for out in self._outputs(call, q, prep.n):
+            texts[out.index].append(out.new_text)
+            lps[out.index].extend(out.logprobs or [])
+            if out.finished:
+                finals[out.index] = out
+        last = [finals[i] for i in range(prep.n)]
+        self._observe_final(call, last)
+        stats = [o.stats for o in last]
+        answers: list[Answer] = [("".join(texts[i]), lps[i], o.finish_reason) for i, o in enumerate(last)]
+        body = final_body(call, prep, answers, usage_of(prep, stats), self._token_text)
+        body["metrics"] = metrics_of(call, stats)
         return body
 
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         prep, q = await self._submit(call)
         chunks = ChunkWriter(call, prep, self._token_text)
-        outputs = self._outputs(call, q)
+        outputs = self._outputs(call, q, prep.n)
         try:
             async for out in outputs:
                 for chunk in chunks.write(out):
                     yield chunk
                 if out.finished:
-                    self._observe_final(call, out)
-                    for chunk in chunks.finish(out):
+                    last = chunks.finish(out)
+                    if chunks.done:  # the last choice finished: the request is over
+                        self._observe_final(call, [chunks.finals[i] for i in range(prep.n)])
+                    for chunk in last:
                         yield chunk
         finally:
             await outputs.aclose()

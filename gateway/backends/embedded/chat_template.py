@@ -80,15 +80,17 @@ def chat_text(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     template: str | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """The conversation as the chat template writes it, ready for `encode`."""
+    """The conversation as the chat template writes it, ready for `encode` (`add_generation_prompt`:
+    the assistant's turn opened after it, as chat requests always have it; /tokenize may not)."""
     chosen = chat_template_for(tokenizer, template)
     if chosen is None:
         raise ValueError(NO_TEMPLATE)
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
         tokenize=False,
         # Unconfigured, the tokenizer picks its own (of several named ones, by the tools).
         chat_template=chosen if template is not None else None,

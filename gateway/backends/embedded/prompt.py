@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specgate.engine.grammar import Grammar
-from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.sampling_params import MAX_N, SamplingParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import (
     chat_template_for,
@@ -40,6 +40,7 @@ class Prepared:
     logprobs: int | None  # top logprobs to report, None for none
     tools: bool  # parse tool calls out of the output
     echo: str = ""  # completions with echo: the prompt text, sent before the output
+    n: int = 1  # choices: sequences sampled from the one prompt (params.n)
 
 
 def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
@@ -98,8 +99,13 @@ def _in_vocab(token_ids: Iterable[int], vocab: int, param: str, what: str) -> No
 
 def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     req = call.request
-    if (req.n or 1) > 1:
-        raise _refuse("n > 1 is not supported by the embedded engine; send n separate requests", "n")
+    n = req.n or 1
+    if n > MAX_N:
+        raise _refuse(
+            f"n must be at most {MAX_N} on the embedded engine; got {n} (send several requests)",
+            "n",
+            code="invalid_value",
+        )
     # Unknown fields pass validation so that vendor extensions reach external backends; the embedded
     # engine honours none of them, so a set one is refused, never silently dropped.
     for name, value in (req.model_extra or {}).items():
@@ -149,9 +155,12 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
     limit = req.token_limit
     if room < 1 or (limit is not None and limit > room):
         raise too_long(model, len(prompt_ids), param, limit)
+    max_tokens = limit if limit is not None else room
+    if n > 1:
+        max_tokens = _n_fits(model, len(prompt_ids), n, limit, room)
     try:
         params = SamplingParams(
-            max_tokens=limit if limit is not None else room,
+            max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
@@ -168,16 +177,38 @@ def prepare(call: BackendCall, model: ModelInfo) -> Prepared:
             logprobs=logprobs,
             logit_bias=bias,
             grammar=grammar,
+            n=n,
         )
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value") from exc
-    return Prepared(prompt_ids, params, rid, logprobs, tools, echo)
+    return Prepared(prompt_ids, params, rid, logprobs, tools, echo, n)
+
+
+def _n_fits(model: ModelInfo, prompt_tokens: int, n: int, limit: int | None, room: int) -> int:
+    """max_tokens for each of n > 1 sequences, which must fit the KV pool together: they share the
+    prompt's full blocks and each holds the rest of its own (the engine's SequenceGroup). Without a
+    limit, each may grow as far as that allows (at most to the context); a limit that can never fit
+    is a 400 naming n."""
+    bs = model.block_size
+    shared = (prompt_tokens - 1) // bs  # blocks the sequences share: the last prompt token is each one's
+    longest = (shared + (model.kv_blocks - shared) // n) * bs  # tokens one sequence may hold
+    fits = min(room, longest - prompt_tokens)
+    asked = limit if limit is not None else 1
+    if asked > fits:
+        raise _refuse(
+            f"n={n} choices of {prompt_tokens} prompt + {asked} completion tokens cannot fit the embedded "
+            f"engine's KV cache together ({model.kv_blocks} blocks of {bs} tokens); lower n or max_tokens",
+            "n",
+            code="invalid_value",
+        )
+    return limit if limit is not None else fits
 
 
 def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | None:
     """The grammar a forced tool_choice ("required", a named function) sets: the answer is tool calls
-    in the model's format whose arguments follow each function's parameters (one call unless
-    parallel_tool_calls)."""
+    in the model's format whose arguments follow each function's parameters. A named function is
+    called exactly once (OpenAI: "call exactly one specific function"; vLLM answers one call);
+    "required" allows several unless parallel_tool_calls is false."""
     try:
         functions = forced_tool(req.tools, req.tool_choice)
     except ValueError as exc:
@@ -186,7 +217,8 @@ def _tool_grammar(req: ChatCompletionRequest, model: ModelInfo) -> Grammar | Non
         return None
     _checked_parameters(functions)  # each schema's depth and size too (Grammar's own limits)
     native = template_supports_tools(chat_template_for(model.tokenizer, model.chat_template))
-    parallel = req.parallel_tool_calls is not False
+    named = isinstance(req.tool_choice, Mapping)
+    parallel = req.parallel_tool_calls is not False and not named
     lark = tool_call_lark(functions, parallel, native, tag_markers(model.tokenizer))
     return _lark(lark, "tools")
 
@@ -235,7 +267,7 @@ def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> tuple[list[i
     if req.suffix:
         raise _refuse("suffix is not supported by the embedded engine", "suffix")
     if (req.best_of or 1) > 1:
-        raise _refuse("best_of > 1 is not supported by the embedded engine", "best_of")
+        raise _refuse("best_of > 1 is not supported by the embedded engine (n is)", "best_of")
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:

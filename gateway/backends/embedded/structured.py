@@ -1,20 +1,30 @@
 """Structured outputs on the embedded engine: the one grammar a request's fields ask for, checked.
 
-Three spellings reach here: OpenAI's `response_format` (json_object, json_schema), vLLM's
-`structured_outputs` (json, regex, choice, grammar, json_object, structural_tag) and vLLM's older
-`guided_*` fields, which are aliases of its keys; a forced `tool_choice` ("required" or a named
-function) is a grammar of the model's tool-call format (tools.py). A request may ask for one
-constraint; two are a 400, as is anything the grammar library would enforce only in part (an
-unsupported keyword, a format it does not know), checked before the request reaches the engine.
+Every spelling the common clients send reaches here, and each is either enforced or refused (a 400
+naming the field), never silently dropped: OpenAI's `response_format` (text, json_object,
+json_schema; json_object with a `schema` is llama.cpp's, Together's and Fireworks' form, and
+instructor's JSON_SCHEMA mode), vLLM's `structured_outputs` (json, regex, choice, grammar,
+json_object, structural_tag) and its older `guided_*` aliases, and llama.cpp's top-level
+`json_schema` and `grammar` (GBNF). A forced `tool_choice` ("required" or a named function) is a
+grammar of the model's tool-call format (tools.py). A request may ask for one constraint; two are a
+400, as is anything the grammar library would enforce only in part (an unsupported keyword, a
+format it does not know), checked before the request reaches the engine.
+
+JSON schemas are read as the peers read them (llama.cpp's converter, vLLM's xgrammar, OpenAI's
+strict mode): an object schema that lists `properties` admits no others unless it says
+`additionalProperties` (engine/grammar.py `closed_objects`); `structured_outputs:
+{"disable_additional_properties": false}` asks for plain JSON Schema instead, whichever field
+carries the schema.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.grammar import MAX_SCHEMA_DEPTH, Grammar, check, schema_depth
+from specgate.engine.grammar import MAX_SCHEMA_DEPTH, Grammar, check, closed_objects, schema_depth
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest, StructuredOutputs
 
@@ -117,49 +127,79 @@ def _must_cycle(root: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _closed(schema: Any) -> Any:
-    """vLLM's disable_additional_properties: every object schema that does not say otherwise
-    allows no properties beyond the ones it names."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+@dataclass(frozen=True, slots=True)
+class _Json:
+    """A JSON schema a field asks for, before the request's JSON options (whitespace, unlisted
+    properties) make it a grammar: those may come from another field (structured_outputs)."""
+
+    schema: Mapping[str, Any]
 
 
-def _from_response_format(fmt: Mapping[str, Any], _param: str = "response_format") -> Grammar | None:
+# The keys each response_format type takes; any other is refused rather than ignored (a schema
+# beside "type": "text", a vendor option the engine does not implement).
+_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}),
+    # llama.cpp, Together and Fireworks put the schema beside the type; some clients wrap it as
+    # json_schema does.
+    "json_object": frozenset({"type", "schema", "json_schema"}),
+    "json_schema": frozenset({"type", "json_schema"}),
+    # vLLM's response_format spelling of structured_outputs.structural_tag.
+    "structural_tag": frozenset({"type", "structures", "triggers"}),
+}
+_WRAPPER_KEYS = frozenset({"name", "schema", "strict", "description"})
+
+
+def _wrapped(spec: Any, param: str) -> _Json:
+    """OpenAI's json_schema object: {name, schema, strict, description}. Strict or not, the schema
+    is enforced exactly (OpenAI's non-strict mode promises less)."""
+    if not isinstance(spec, Mapping) or "schema" not in spec:
+        raise _invalid(f"{param} needs a schema", param)
+    unknown = sorted(set(spec) - _WRAPPER_KEYS)
+    if unknown:
+        raise _invalid(f"unknown keys in {param}: {', '.join(unknown)[:200]}", f"{param}.{unknown[0][:64]}")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _invalid(f"{param}.strict must be true or false", f"{param}.strict")
+    return _Json(_schema(spec["schema"], f"{param}.schema"))
+
+
+def _from_response_format(fmt: Mapping[str, Any], param: str = "response_format") -> Grammar | _Json | None:
+    """The one reading of a chat `response_format` (the Responses API's `text.format` is mapped onto
+    it): each type's keys, and nothing else."""
     kind = fmt.get("type", "text")
+    if not isinstance(kind, str) or kind not in _FORMAT_KEYS:
+        raise _invalid(
+            f"response_format type {str(kind)[:64]!r} is not one of {', '.join(_FORMAT_KEYS)}",
+            f"{param}.type",
+        )
+    unknown = sorted(set(fmt) - _FORMAT_KEYS[kind])
+    if unknown:
+        raise GatewayError(
+            400,
+            f"{param}.{unknown[0][:64]} is not supported with type {kind!r} "
+            f"(it takes {', '.join(sorted(_FORMAT_KEYS[kind]))})",
+            code="unsupported_parameter",
+            param=f"{param}.{unknown[0][:64]}",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
-        return Grammar.json_schema({"type": "object"})
+        if "schema" in fmt and "json_schema" in fmt:
+            raise _invalid(f"{param} may give schema or json_schema, not both", f"{param}.json_schema")
+        if "schema" in fmt:
+            return _Json(_schema(fmt["schema"], f"{param}.schema"))
+        if "json_schema" in fmt:
+            return _wrapped(fmt["json_schema"], f"{param}.json_schema")
+        return _Json({"type": "object"})
     if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise _invalid("response_format.json_schema needs a schema", "response_format.json_schema")
-        unknown = set(spec) - {"name", "schema", "strict", "description"}
-        if unknown:
-            raise _invalid(
-                f"unknown keys in response_format.json_schema: {', '.join(sorted(unknown))[:200]}",
-                "response_format.json_schema",
-            )
-        # strict or not, the schema is enforced exactly: OpenAI's non-strict mode promises less.
-        return Grammar.json_schema(_schema(spec["schema"], "response_format.json_schema.schema"))
-    raise _invalid(
-        f"response_format type {str(kind)[:64]!r} is not one of text, json_object, json_schema",
-        "response_format",
-    )
+        return _wrapped(fmt.get("json_schema"), f"{param}.json_schema")
+    return _struct_tag({k: fmt[k] for k in ("structures", "triggers") if k in fmt}, param)
 
 
-def _struct_tag(value: Mapping[str, Any] | str) -> Grammar:
+def _struct_tag(value: Mapping[str, Any] | str, param: str = "structured_outputs.structural_tag") -> Grammar:
     """vLLM's structural tag: free text in which each trigger opens a structure whose body follows a
     JSON schema, as a Lark grammar with lazy triggers (llguidance's StructTag)."""
     from llguidance import StructTag
 
-    param = "structured_outputs.structural_tag"
     if isinstance(value, str):
         value = _json_text(value, param)
     if (
@@ -180,12 +220,12 @@ def _struct_tag(value: Mapping[str, Any] | str) -> Grammar:
             raise _invalid(
                 f"the structure beginning {s['begin'][:64]!r} starts with none of the triggers", param
             )
-        schema = _schema(s.get("schema", {"type": "object"}), f"{param}.schema")
+        schema = closed_objects(_schema(s.get("schema", {"type": "object"}), f"{param}.schema"))
         tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=dict(schema), end=s["end"]))
     return Grammar("lark", StructTag.to_grammar(tags, assume_special=False))
 
 
-def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
+def _from_structured(so: StructuredOutputs, param: str) -> Grammar | _Json | None:
     unknown = sorted(so.model_extra or {})
     if unknown:
         raise GatewayError(
@@ -205,23 +245,11 @@ def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
             f"{param} may set one of json, regex, choice, grammar, json_object, structural_tag; got {names}",
             param,
         )
-    whitespace = so.whitespace_pattern
-    if so.disable_any_whitespace and whitespace is not None:
-        raise _invalid(f"{param}: disable_any_whitespace contradicts whitespace_pattern", param)
-    if (whitespace is not None or so.disable_additional_properties) and not (
-        so.json_ is not None or so.json_object
-    ):
-        raise _invalid(
-            f"{param}: whitespace_pattern and disable_additional_properties apply to json only", param
-        )
     if so.json_ is not None:
         # guided_json is itself the schema; structured_outputs.json is a key of its object.
-        schema = _schema(so.json_, param if param.startswith("guided_") else f"{param}.json")
-        if so.disable_additional_properties:
-            schema = _closed(schema)
-        return Grammar.json_schema(schema, whitespace)
+        return _Json(_schema(so.json_, param if param.startswith("guided_") else f"{param}.json"))
     if so.json_object:
-        return Grammar.json_schema({"type": "object"}, whitespace)
+        return _Json({"type": "object"})
     if so.regex is not None:
         return Grammar("regex", so.regex)
     if so.choice is not None:
@@ -235,13 +263,12 @@ def _from_structured(so: StructuredOutputs, param: str) -> Grammar | None:
 
 
 def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-    """vLLM's older guided_* fields as the structured_outputs they are aliases of."""
+    """vLLM's older guided_* constraint fields as the structured_outputs they are aliases of."""
     fields = {
         "json": req.guided_json,
         "regex": req.guided_regex,
         "choice": req.guided_choice,
         "grammar": req.guided_grammar,
-        "whitespace_pattern": req.guided_whitespace_pattern,
     }
     given = {k: v for k, v in fields.items() if v is not None}
     if not given:
@@ -249,14 +276,68 @@ def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs
     return StructuredOutputs(**given)
 
 
-def _built(make: Callable[[Any, str], Grammar | None], source: Any, param: str) -> Grammar | None:
-    """A grammar made from a field, its own limits (size, depth) refused as a 400 naming the field."""
+@dataclass(frozen=True, slots=True)
+class _JsonOptions:
+    """How a JSON schema becomes a grammar, from whichever fields tune it, and the field that did
+    (empty: the defaults)."""
+
+    whitespace_pattern: str | None = None
+    open_objects: bool = False  # plain JSON Schema: unlisted properties allowed where not said
+    param: str = ""
+
+
+def _json_options(req: ChatCompletionRequest | CompletionRequest) -> _JsonOptions:
+    """structured_outputs' tuning keys and guided_whitespace_pattern. They tune the request's JSON
+    constraint whichever field carries it (response_format, guided_json, json_schema), so a client
+    of OpenAI's spelling can still ask for plain JSON Schema semantics."""
+    so = req.structured_outputs
+    whitespace = so.whitespace_pattern if so is not None else None
+    params = []
+    if so is not None and (
+        so.whitespace_pattern is not None
+        or so.disable_any_whitespace is not None
+        or so.disable_additional_properties is not None
+    ):
+        params.append("structured_outputs")
+    if req.guided_whitespace_pattern is not None:
+        if whitespace is not None:
+            raise _invalid(
+                "give whitespace_pattern once: structured_outputs or guided_whitespace_pattern",
+                "guided_whitespace_pattern",
+            )
+        whitespace = req.guided_whitespace_pattern
+        params.append("guided_whitespace_pattern")
+    # disable_any_whitespace: true is the default already (fixed separators); false, vLLM's default,
+    # permits whitespace the grammar then does not use, so the output still satisfies it.
+    if so is not None and so.disable_any_whitespace and whitespace is not None:
+        raise _invalid("disable_any_whitespace contradicts whitespace_pattern", params[-1])
+    open_objects = so is not None and so.disable_additional_properties is False
+    return _JsonOptions(whitespace, open_objects, params[0] if params else "")
+
+
+def _json_grammar(ask: _Json, options: _JsonOptions) -> Grammar:
+    schema = ask.schema if options.open_objects else closed_objects(ask.schema)
+    return Grammar.json_schema(schema, options.whitespace_pattern)
+
+
+def _built(
+    make: Callable[[Any, str], Grammar | _Json | None], source: Any, param: str
+) -> Grammar | _Json | None:
+    """What a field asks for, its own limits (size, depth) refused as a 400 naming the field."""
     try:
         return make(source, param)
     except GatewayError:
         raise
     except ValueError as exc:
         raise _invalid(f"{param}: {exc}", param) from None
+
+
+def _top_level_schema(value: Any, param: str) -> _Json:
+    return _Json(_schema(value, param))
+
+
+def _top_level_grammar(value: str, param: str) -> Grammar:
+    return Grammar("gbnf", value)  # llama.cpp's GBNF; llguidance's Lark is told apart as in guided_grammar
 
 
 def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[Grammar | None, str]:
@@ -271,7 +352,8 @@ def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[G
             code="unsupported_parameter",
             param="guided_decoding_backend",
         )
-    found: list[tuple[Grammar | None, str]] = []
+    options = _json_options(req)
+    found: list[tuple[Grammar | _Json | None, str]] = []
     fmt = req.response_format
     if fmt is not None:
         found.append((_built(_from_response_format, fmt, "response_format"), "response_format"))
@@ -280,19 +362,38 @@ def requested_grammar(req: ChatCompletionRequest | CompletionRequest) -> tuple[G
         found.append((_built(_from_structured, so, "structured_outputs"), "structured_outputs"))
     guided = _guided(req)
     if guided is not None:
-        names = (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_whitespace_pattern",
-        )
+        names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
         param = next(n for n in names if getattr(req, n) is not None)
         found.append((_built(_from_structured, guided, param), param))
+    # llama.cpp's server fields.
+    if req.json_schema is not None:
+        found.append((_built(_top_level_schema, req.json_schema, "json_schema"), "json_schema"))
+    if req.grammar is not None:
+        found.append((_built(_top_level_grammar, req.grammar, "grammar"), "grammar"))
     asked = [(g, p) for g, p in found if g is not None]
     if len(asked) > 1:
         raise _invalid(f"ask for one output constraint; got {' and '.join(p for _, p in asked)}", asked[1][1])
-    return asked[0] if asked else (None, "")
+    if not asked:
+        if options.param:
+            raise _invalid(
+                f"{options.param}: whitespace_pattern, disable_any_whitespace and "
+                "disable_additional_properties tune a JSON constraint, and the request asks for none",
+                options.param,
+            )
+        return None, ""
+    ask, param = asked[0]
+    if isinstance(ask, _Json):
+        try:
+            return _json_grammar(ask, options), param
+        except ValueError as exc:  # closed, the schema's text is over the size limit
+            raise _invalid(f"{param}: {exc}", param) from None
+    if options.param:
+        raise _invalid(
+            f"{options.param}: whitespace_pattern, disable_any_whitespace and disable_additional_properties "
+            f"tune a JSON constraint; {param} asks for another kind",
+            options.param,
+        )
+    return ask, param
 
 
 def checked(grammar: Grammar, param: str) -> Grammar:
@@ -313,5 +414,6 @@ def wants_json(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return (
         fmt in ("json_object", "json_schema")
         or req.guided_json is not None
+        or req.json_schema is not None
         or (so is not None and (so.json_ is not None or bool(so.json_object)))
     )

@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from specgate.engine.grammar import closed_objects
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -37,7 +39,8 @@ def forced_tool(
 
 
 def _arguments_schema(fn: Mapping[str, Any]) -> dict[str, Any]:
-    params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+    # Unlisted arguments only where the parameters say so, as for response_format (structured.py).
+    params = dict(closed_objects(fn.get("parameters") or {"type": "object", "properties": {}}))
     # The arguments in the form the format's example shows: one space after ',' and ':'.
     params["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     return params

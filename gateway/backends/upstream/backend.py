@@ -25,6 +25,8 @@ from typing import Any
 
 from specgate.gateway.backends.base import BackendCall, RelayedChunk
 from specgate.gateway.backends.breaker import CLOSED, CircuitBreaker
+from specgate.gateway.backends.relay import RelayCall
+from specgate.gateway.backends.upstream import responses_proxy
 from specgate.gateway.backends.upstream.answers import (
     Malformed,
     error_from,
@@ -293,12 +295,17 @@ class OpenAIBackend:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
 
-    async def _send(self, call: BackendCall) -> UpstreamResponse:
-        """One response with a 2xx status, after retries; raises GatewayError otherwise."""
+    async def _send(
+        self, call: BackendCall | RelayCall, url: str | None = None, payload: bytes | None = None
+    ) -> UpstreamResponse:
+        """One response with a 2xx status, after retries; raises GatewayError otherwise. `url` and
+        `payload`: a pass-through call's (`relay`); a completion's come from the call."""
         s = self.settings
-        url = f"{s.base_url}{_PATHS[call.kind]}"
-        # Encoded once for every retry.
-        payload = json_codec.encode(self._payload(call))
+        if url is None or payload is None:
+            assert isinstance(call, BackendCall)
+            url = f"{s.base_url}{_PATHS[call.kind]}"
+            # Encoded once for every retry.
+            payload = json_codec.encode(self._payload(call))
         last: GatewayError | None = None
         for attempt in range(s.max_retries + 1):
             if not self.breaker.allow(owner=call):
@@ -358,9 +365,11 @@ class OpenAIBackend:
         self.breaker.record_failure()
         return GatewayError(502, f"backend {self.name} {exc}", code="bad_upstream_response", retryable=True)
 
-    async def _timed_send(self, call: BackendCall) -> UpstreamResponse:
+    async def _timed_send(
+        self, call: BackendCall | RelayCall, url: str | None = None, payload: bytes | None = None
+    ) -> UpstreamResponse:
         t0 = time.perf_counter()
-        response = await self._send(call)
+        response = await self._send(call, url, payload)
         ms = (time.perf_counter() - t0) * 1e3
         prev = self.latency_ewma_ms
         self.latency_ewma_ms = ms if prev is None else prev + LATENCY_EWMA * (ms - prev)
@@ -368,7 +377,10 @@ class OpenAIBackend:
 
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         try:
-            return await self._complete(call)
+            body = await self._complete(call)
+            if responses_proxy.proxies(self.settings, call):  # a Responses object, not a chat body
+                responses_proxy.observe(body, call)
+            return body
         finally:
             self.breaker.release(call)
 
@@ -376,7 +388,7 @@ class OpenAIBackend:
         self._in_flight.enter()
         try:
             async with asyncio.timeout(self.settings.total_timeout):
-                response = await self._timed_send(call)
+                response = await self._timed_send(call, *responses_proxy.target(self.settings, call))
                 try:
                     raw = await read_capped(response, self.settings.max_response_bytes)
                 finally:
@@ -403,14 +415,52 @@ class OpenAIBackend:
         body["model"] = call.model
         return body
 
+    async def relay(self, call: RelayCall) -> dict[str, Any]:
+        """A pass-through endpoint's JSON answer (embeddings, rerank, tokenize, ...), as the backend
+        sent it but for its model's name: the same retries, breaker, size bound and error mapping
+        as a completion, and none of its reading of choices and timings. A backend that does not
+        serve the endpoint (404, 405) is passed over for the next candidate that may."""
+        s = self.settings
+        base = s.base_url.removesuffix("/v1") if call.root else s.base_url
+        payload = json_codec.encode({**call.body, "model": self.upstream_model(call.model)})
+        self._in_flight.enter()
+        try:
+            async with asyncio.timeout(s.total_timeout):
+                response = await self._timed_send(call, f"{base}{call.path}", payload)
+                try:
+                    raw = await read_capped(response, s.max_response_bytes)
+                finally:
+                    await response.aclose()
+            body = json_object(raw, response.headers.get("content-type", ""))
+        except GatewayError as err:
+            if err.status in (404, 405) and not err.retryable:
+                err.retryable = True
+            raise
+        except (TransportError, TimeoutError) as exc:
+            self.breaker.record_failure()
+            raise GatewayError(
+                503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
+            ) from exc
+        except Malformed as exc:
+            raise self._broke_protocol(exc) from None
+        finally:
+            self._in_flight.leave()
+            self.breaker.release(call)
+        self.breaker.record_success()
+        self.probe_ok = True
+        if "model" in body:
+            body["model"] = call.model
+        return body
+
     async def stream(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         self._in_flight.enter()
         response: UpstreamResponse | None = None
         s = self.settings
         deadline = time.monotonic() + s.total_timeout
         total_bound = False  # whether the wait that timed out was cut by the total deadline
+        proxied = responses_proxy.proxies(self.settings, call)  # Responses events, relayed as sent
         try:
-            response = await self._timed_send(call)
+            response = await self._timed_send(call, *responses_proxy.target(self.settings, call))
             ctype = response.headers.get("content-type", "")
             if "text/event-stream" not in ctype and ctype:
                 raise Malformed(f"answered a stream request with {ctype[:64]!r}, not an event stream")
@@ -440,6 +490,10 @@ class OpenAIBackend:
                         code=code if isinstance(code, str) else None,
                     )
                 capture(chunk, call.observed)
+                if proxied:
+                    responses_proxy.observe_event(chunk, call, self.name)
+                    yield RelayedChunk(chunk, b"data: " + data.encode() + b"\n\n")
+                    continue
                 if call.observed.first_token_time is None and chunk.get("choices"):
                     call.observed.first_token_time = time.time()
                 if not (chunk.get("choices") or call.request.include_usage):

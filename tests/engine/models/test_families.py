@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, quants
 from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
@@ -32,24 +31,25 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgate.engine.attention import register
-from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.kernels import extension
 from specgate.engine.models.family import family_of, unsupported
-from specgate.engine.models.gguf_weights import unpermute_rows
 from specgate.engine.models.llama import CompactCausalLM
 from specgate.engine.models.quantized import GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
-from tests.engine.gguf_fixture import NORM_OFFSET, PERMUTED, gguf_name, write_gguf
+from tests.engine.gguf_fixture import GREEDY, write_gguf
+from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference
+from tests.engine.gguf_fixture import gguf_engine as _engine
+from tests.engine.gguf_fixture import quantize_inputs as _quantize_inputs
+from tests.engine.gguf_fixture import run_greedy as _run
+from tests.engine.gguf_fixture import step_logits as _step_logits
 
 pytestmark = pytest.mark.skipif(
     not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
 )
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 TYPES = {
     "attn_q.weight": T.Q4_K,
     "attn_k.weight": T.Q5_0,
@@ -146,77 +146,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
         )
         out[family] = (gguf, hf)
     out["cache"] = (tmp / "cache", tmp / "cache")
-    return out
-
-
-def _engine(files: dict[str, tuple[Path, Path]], name: str, **kw: object) -> Engine:
-    args: dict = dict(
-        model=str(files[name][0]),
-        convert_cache_dir=str(files["cache"][0]),
-        dtype="float32",
-        block_size=4,
-        num_blocks=256,
-    )
-    args.update(kw)
-    return Engine(EngineConfig(**args))
-
-
-def _dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
-    """The Hugging Face model with the file's weights, dequantized by gguf-py (float32)."""
-    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
-    register()
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
-    model_type = model.config.model_type
-    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            target = gguf_name(name, model_type)
-            t = tensors[target]
-            values = np.array(quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tensor.shape))
-            if model_type in PERMUTED and (".attn_q." in target or ".attn_k." in target):
-                values = values[unpermute_rows(values.shape[0], heads if ".attn_q." in target else kv)]
-            if target.endswith("norm.weight"):
-                values = values - NORM_OFFSET.get(model_type, 0.0)
-            tensor.copy_(torch.from_numpy(values))
-    return model
-
-
-def _quantize_inputs(model: torch.nn.Module) -> None:
-    """Every linear layer sees its input as the kernels do (8-bit blocks, rounded half to even)."""
-    from tests.engine.kernels.test_gguf_kernels import quantized_activations
-
-    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x = args[0]
-        rows = x.reshape(-1, x.shape[-1])
-        return (quantized_activations(rows).to(x.dtype).view(x.shape),)
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_pre_hook(hook)
-
-
-def _step_logits(engine: Engine) -> list[torch.Tensor]:
-    captured: list[torch.Tensor] = []
-    run = engine.runner.execute_with_hidden
-
-    def capture(items, hidden):  # type: ignore[no-untyped-def]
-        out = run(items, hidden)
-        captured.append(out[0].clone())
-        return out
-
-    engine.runner.execute_with_hidden = capture  # type: ignore[method-assign]
-    return captured
-
-
-def _run(
-    engine: Engine, prompts: list[list[int]], n: int, spec: SpecParams | None = None
-) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY), spec)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
     return out
 
 

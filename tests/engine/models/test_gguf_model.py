@@ -8,28 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, quants
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.kernels import extension
-from specgate.engine.models.gguf_weights import unpermute_rows
 from specgate.engine.models.quantized import GGUFEmbedding, GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
-from tests.engine.gguf_fixture import GLOBAL_NAMES, LAYER_PARTS, write_gguf
+from tests.engine.gguf_fixture import GREEDY, write_gguf
+from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference
+from tests.engine.gguf_fixture import gguf_engine as _engine
+from tests.engine.gguf_fixture import quantize_inputs as _quantize_inputs
+from tests.engine.gguf_fixture import run_greedy as _run
+from tests.engine.gguf_fixture import step_logits as _step_logits
 
 pytestmark = pytest.mark.skipif(
     not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
 )
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Every kind of block the kernels read, and a K-quant on the tied or untied head.
 MIXED = {
     "attn_q.weight": T.Q4_K,
@@ -83,73 +84,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     }
     out["cache"] = (tmp / "cache", tmp / "cache")
     return out
-
-
-def _engine(files: dict[str, tuple[Path, Path]], name: str, **kw: object) -> Engine:
-    args: dict = dict(
-        model=str(files[name][0]),
-        convert_cache_dir=str(files["cache"][0]),
-        dtype="float32",
-        block_size=4,
-        num_blocks=256,
-    )
-    args.update(kw)
-    return Engine(EngineConfig(**args))
-
-
-def _dequantized_reference(gguf: Path, hf: Path) -> torch.nn.Module:
-    """The Hugging Face model with the file's weights, dequantized by gguf-py (float32)."""
-    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
-    names, parts = GLOBAL_NAMES, LAYER_PARTS
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            gguf_name = names.get(name)
-            if gguf_name is None:
-                layer, rest = name.removeprefix("model.layers.").split(".", 1)
-                module, kind = rest.rsplit(".", 1)
-                gguf_name = f"blk.{layer}.{parts[module]}.{kind}"
-            t = tensors[gguf_name]
-            values = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tensor.shape)
-            if model.config.model_type == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-                values = values[unpermute_rows(values.shape[0], heads if ".attn_q." in gguf_name else kv)]
-            tensor.copy_(torch.from_numpy(np.array(values)))
-    return model
-
-
-def _run(
-    engine: Engine,
-    prompts: list[list[int]],
-    n: int,
-    spec: SpecParams | None = None,
-    finals: dict[str, Any] | None = None,
-) -> dict[str, list[int]]:
-    """Greedy tokens of each prompt by request id; `finals` gets each request's last output."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, **GREEDY), spec)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-            if finals is not None:
-                finals[o.request_id] = o
-    return out
-
-
-def _quantize_inputs(model: torch.nn.Module) -> None:
-    """Make every linear layer of `model` see its input as the kernels do: each row quantized to
-    8 bits in blocks of 256 (then 64), one scale per block, rounded half to even."""
-    from tests.engine.kernels.test_gguf_kernels import quantized_activations
-
-    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x = args[0]
-        rows = x.reshape(-1, x.shape[-1])
-        return (quantized_activations(rows).to(x.dtype).view(x.shape),)
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_pre_hook(hook)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "tails"])
@@ -251,20 +185,6 @@ def test_trees_and_deep_verifications_are_token_identical_to_plain(
         assert sum(s.num_tree_drafts for s in steps) > 0
     else:
         assert max(d for s in steps for d in s.per_step_drafted) > 16
-
-
-def _step_logits(engine: Engine) -> list[torch.Tensor]:
-    """Every step's logits from now on (a list the engine's runner appends to)."""
-    captured: list[torch.Tensor] = []
-    run = engine.runner.execute_with_hidden
-
-    def capture(items, hidden):  # type: ignore[no-untyped-def]
-        out = run(items, hidden)
-        captured.append(out[0].clone())
-        return out
-
-    engine.runner.execute_with_hidden = capture  # type: ignore[method-assign]
-    return captured
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

@@ -133,6 +133,42 @@ def test_each_connection_gets_its_model_and_only_its_own_outputs(
     assert [t for o in outs_b for t in o.new_token_ids] == _alone(make_engine, prompts[1])
 
 
+def test_every_sequence_of_an_n_request_reaches_its_connection(
+    core: Core, make_engine: Callable[..., Engine]
+) -> None:
+    """A request with n > 1 is over for the connection (and its client) when its last sequence is;
+    its sequences may finish in different steps."""
+    prompt = _prompt(core.engine, "tell me about the sea")
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        loop = asyncio.get_running_loop()
+        client, _ = await connect(core.path, loop)
+        q = client.submit(
+            "three", prompt, SamplingParams(max_tokens=12, n=3, temperature=0.0, ignore_eos=True), None
+        )
+        q_short = client.submit(
+            "two", prompt, SamplingParams(max_tokens=4, n=2, temperature=0.0, ignore_eos=True), None
+        )
+        outs: list[Any] = []
+        while sum(o.finished for o in outs) < 3:
+            outs.append(await asyncio.wait_for(q.get(), 30))
+        outs_short: list[Any] = []
+        while sum(o.finished for o in outs_short) < 2:
+            outs_short.append(await asyncio.wait_for(q_short.get(), 30))
+        assert not client.orphans() and not client.in_engine  # both requests over, nothing left behind
+        assert not any(c.owned or c.unfinished for c in core.hub._conns.values())
+        await client.close()
+        return outs, outs_short
+
+    outs, outs_short = asyncio.run(asyncio.wait_for(run(), 30))
+    alone = _alone(make_engine, prompt)
+    for i in range(3):
+        assert [t for o in outs if o.index == i for t in o.new_token_ids] == alone
+    for i in range(2):
+        assert [t for o in outs_short if o.index == i for t in o.new_token_ids] == alone[: short.max_tokens]
+
+
 def test_a_closed_connection_aborts_its_requests_and_the_other_goes_on(core: Core) -> None:
     prompt = _prompt(core.engine, "the sea")
 

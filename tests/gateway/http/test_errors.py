@@ -52,7 +52,7 @@ def test_invalid_parameters_are_400(
 
 def test_openai_client_raises_bad_request(client: openai.OpenAI, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=model_name, messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model=model_name, messages=MESSAGES, n=17)  # type: ignore[arg-type]
     assert exc.value.status_code == 400 and exc.value.body["param"] == "n"  # type: ignore[index]
 
 

@@ -188,6 +188,103 @@ def test_max_tokens_cuts_a_json_answer(client: openai.OpenAI, model_name: str) -
     assert (r.choices[0].message.content or "").startswith('{"name": "')
 
 
+# ---- every client's spelling (C2) ------------------------------------------------------------------
+
+PET_SCHEMA = Pet.model_json_schema()
+PET_REQUIRED = set(PET_SCHEMA["required"])
+# Pet without additionalProperties (pydantic writes none): only the default reading closes it.
+assert "additionalProperties" not in PET_SCHEMA
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object", "schema": PET_SCHEMA}},  # llama.cpp, instructor
+        {"response_format": {"type": "json_object", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}},
+        {"json_schema": PET_SCHEMA},  # llama.cpp's top-level field
+        {"response_format": {**PET_FORMAT, "json_schema": {**PET_FORMAT["json_schema"], "strict": False}}},
+    ],
+    ids=["json_object+schema", "json_object+json_schema", "llama-json_schema", "json_schema-lax"],
+)
+def test_each_schema_spelling_is_enforced(
+    client: openai.OpenAI, model_name: str, extra: dict[str, Any]
+) -> None:
+    chat = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=150, temperature=0, extra_body=extra
+    )
+    text = client.completions.create(
+        model=model_name, prompt="A pet:", max_tokens=150, temperature=0, extra_body=extra
+    )
+    for answer, finish in ((chat.choices[0].message.content, chat.choices[0].finish_reason),
+                           (text.choices[0].text, text.choices[0].finish_reason)):  # fmt: skip
+        assert finish == "stop"
+        value = json.loads(answer or "")
+        assert set(value) == PET_REQUIRED  # every required field, nothing else
+        Pet.model_validate(value)
+
+
+def test_llama_cpp_grammar_field_is_enforced(client: openai.OpenAI, model_name: str) -> None:
+    r = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"grammar": GBNF}
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content in ("yes", "no")
+
+
+ONE_DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+}
+
+
+def test_unlisted_properties_only_when_the_option_allows_them(client: openai.OpenAI, model_name: str) -> None:
+    """A schema with one property, a prompt that asks for more, and a bias toward ',' (which would
+    open another property) and '"': by default the answer is that one property; with
+    disable_additional_properties false (plain JSON Schema) the same request writes another key."""
+    invite = [{"role": "user", "content": "Describe a pet as JSON: n, name, kind, age, colour, owner."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "one", "schema": ONE_DIGIT}}
+
+    def answer(**extra: Any) -> tuple[str, str]:
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=invite,  # type: ignore[arg-type]
+            response_format=fmt,  # type: ignore[arg-type]
+            logit_bias={token_id(","): 20, token_id('"'): 5},  # type: ignore[arg-type]
+            max_tokens=40,
+            temperature=0,
+            extra_body=extra,
+        )
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+    closed, finish = answer()
+    assert finish == "stop" and re.fullmatch(r'\{"n": [0-9]\}', closed), closed
+    opened, _ = answer(structured_outputs={"disable_additional_properties": False})
+    assert re.match(r'\{"n": [0-9], "', opened), opened
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "text", "schema": ONE_DIGIT}}, "response_format.schema"),
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+        ({"response_format": {"type": "json_schema", "schema": ONE_DIGIT}}, "response_format.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"json_schema": ONE_DIGIT, "grammar": 'root ::= "a"'}, "grammar"),
+        ({"structured_outputs": {"disable_additional_properties": False}}, "structured_outputs"),
+        ({"grammar_lazy": True}, "grammar_lazy"),  # llama.cpp's tool-call internals
+    ],
+)
+def test_each_refused_spelling_is_a_400_naming_the_field(
+    client: openai.OpenAI, model_name: str, extra: dict[str, Any], param: str
+) -> None:
+    body = bad_request(
+        lambda: client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=8, extra_body=extra
+        )
+    )
+    assert body["param"] == param, body
+
+
 # ---- regex, choice, grammar --------------------------------------------------------------------
 
 REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
@@ -338,9 +435,8 @@ def test_named_tool_choice(client: openai.OpenAI, model_name: str, name: str) ->
             temperature=0,
         )
         assert r.choices[0].finish_reason == "tool_calls"
-        calls = _check_calls(r.choices[0].message, {name})
-        if not parallel:
-            assert len(calls) == 1
+        # A named function is called exactly once, parallel_tool_calls or not (OpenAI's and vLLM's).
+        assert len(_check_calls(r.choices[0].message, {name})) == 1
 
 
 def test_streamed_forced_tool_call(client: openai.OpenAI, model_name: str) -> None:

@@ -82,14 +82,14 @@ def test_one_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory.from_config(schema.alembic_config("sqlite://")).get_heads()
-    assert heads == ["0011"]
+    assert heads == ["0012"]
 
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0011"
+    assert schema.current_revision(engine) == schema.head_revision(db_url) == "0012"
     tables, views = _tables(db_url)
     assert {
         "requests",
@@ -105,7 +105,12 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert tables <= {"alembic_version"} and views == set()
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0011"
+    assert schema.current_revision(engine) == "0012"
+    # One step down removes the stored responses, nothing else.
+    schema.downgrade(db_url, "0011")
+    assert "responses" not in _tables(db_url)[0] and _tables(db_url)[1] == VIEWS
+    schema.upgrade(db_url)
+    assert "responses" in _tables(db_url)[0]
     # One step down gives the timing columns their old names back, indexes and view included; a
     # row written at head keeps its values both ways.
     timings = {"arrival_time", "first_token_time", "finished_time", "queue_time_ms"}
@@ -175,7 +180,7 @@ def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     tables, views = _tables(db_url)
     assert "policy_versions" not in tables and {"requests", "spec_steps"} <= tables and views == VIEWS
     schema.upgrade(db_url)
-    assert schema.current_revision(engine) == "0011"
+    assert schema.current_revision(engine) == "0012"
     engine.dispose()
 
 
@@ -232,7 +237,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     pg.dispose()
     lite = schema.make_engine(sqlite_url)
     schema.ensure_schema(lite, sqlite_url, auto_upgrade=True)
-    assert schema.current_revision(lite) == "0011"
+    assert schema.current_revision(lite) == "0012"
     lite.dispose()
 
 
@@ -240,7 +245,7 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]
     out = subprocess.run([*run, "upgrade", "--url", pg_url], capture_output=True, text=True, check=True)
-    assert "current: 0011" in out.stdout
+    assert "current: 0012" in out.stdout
     out = subprocess.run(
         [*run, "downgrade", "base", "--url", pg_url], capture_output=True, text=True, check=True
     )
@@ -249,4 +254,4 @@ def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     alembic = [sys.executable, "-m", "alembic", "-x", f"url={pg_url}"]
     subprocess.run([*alembic, "upgrade", "head"], cwd=root, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=root, check=True, capture_output=True, text=True)
-    assert "0011 (head)" in out.stdout
+    assert "0012 (head)" in out.stdout

@@ -9,7 +9,7 @@ import pytest
 from llguidance import LLMatcher
 
 from specgate.engine.constraint import Constraint
-from specgate.engine.grammar import MAX_SOURCE_CHARS, Grammar, GrammarCompiler, check
+from specgate.engine.grammar import MAX_SOURCE_CHARS, Grammar, GrammarCompiler, check, closed_objects
 from specgate.gateway.backends.embedded.structured import checked, requested_grammar, wants_json
 from specgate.gateway.backends.embedded.tools import forced_tool, tool_call_lark
 from specgate.gateway.protocol.errors import GatewayError
@@ -25,6 +25,8 @@ SCHEMA: dict[str, Any] = {
     },
     "required": ["a"],
 }
+# What the request path enforces: objects that list properties admit no others (peers' reading).
+CLOSED = closed_objects(SCHEMA)
 CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 TOOLS = [
     {
@@ -95,14 +97,14 @@ def test_response_format_json_object_and_json_schema(make: Any) -> None:
     for strict in (True, False):
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": strict, "schema": SCHEMA}}
         assert requested_grammar(make(response_format=fmt)) == (
-            Grammar.json_schema(SCHEMA),
+            Grammar.json_schema(CLOSED),
             "response_format",
         )
 
 
 def test_response_format_json_schema_as_text_or_true() -> None:
     text = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.dumps(SCHEMA)}}
-    assert requested_grammar(chat(response_format=text))[0] == Grammar.json_schema(SCHEMA)
+    assert requested_grammar(chat(response_format=text))[0] == Grammar.json_schema(CLOSED)
     anything = {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}
     assert requested_grammar(chat(response_format=anything))[0] == Grammar.json_schema({})
 
@@ -110,9 +112,12 @@ def test_response_format_json_schema_as_text_or_true() -> None:
 @pytest.mark.parametrize(
     ("fmt", "param"),
     [
-        ({"type": "yaml"}, "response_format"),
+        ({"type": "yaml"}, "response_format.type"),
         ({"type": "json_schema"}, "response_format.json_schema"),
-        ({"type": "json_schema", "json_schema": {"schema": {}, "frob": 1}}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {}, "frob": 1}},
+            "response_format.json_schema.frob",
+        ),
         ({"type": "json_schema", "json_schema": {"schema": "{nope"}}, "response_format.json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"schema": [1]}}, "response_format.json_schema.schema"),
     ],
@@ -128,8 +133,8 @@ def test_structured_outputs_each_key(make: Any) -> None:
         assert param == "structured_outputs"
         return grammar
 
-    assert asked(json=SCHEMA) == Grammar.json_schema(SCHEMA)
-    assert asked(json=json.dumps(SCHEMA)) == Grammar.json_schema(SCHEMA)
+    assert asked(json=SCHEMA) == Grammar.json_schema(CLOSED)
+    assert asked(json=json.dumps(SCHEMA)) == Grammar.json_schema(CLOSED)
     assert asked(json=True) == Grammar.json_schema({})
     assert asked(regex=r"[0-9]{3}") == Grammar("regex", r"[0-9]{3}")
     assert asked(choice=["yes", "no"]) == Grammar.choice(["yes", "no"])
@@ -137,7 +142,7 @@ def test_structured_outputs_each_key(make: Any) -> None:
     assert asked(json_object=True, whitespace_pattern=r"[ ]?") == Grammar.json_schema(
         {"type": "object"}, r"[ ]?"
     )
-    assert asked(json=SCHEMA, disable_any_whitespace=True) == Grammar.json_schema(SCHEMA)
+    assert asked(json=SCHEMA, disable_any_whitespace=True) == Grammar.json_schema(CLOSED)
 
 
 @pytest.mark.parametrize("source", ['root ::= "yes" | "no"', 'start: "yes" | "no"'], ids=["gbnf", "lark"])
@@ -180,20 +185,20 @@ def test_malformed_structural_tags_are_400s(tag: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("make", [chat, completion])
 def test_guided_fields_are_aliases(make: Any) -> None:
-    assert requested_grammar(make(guided_json=SCHEMA)) == (Grammar.json_schema(SCHEMA), "guided_json")
+    assert requested_grammar(make(guided_json=SCHEMA)) == (Grammar.json_schema(CLOSED), "guided_json")
     assert requested_grammar(make(guided_regex="a+")) == (Grammar("regex", "a+"), "guided_regex")
     assert requested_grammar(make(guided_choice=["x", "y"])) == (Grammar.choice(["x", "y"]), "guided_choice")
     gbnf = 'root ::= "a" "b"*'
     assert requested_grammar(make(guided_grammar=gbnf)) == (Grammar("gbnf", gbnf), "guided_grammar")
     assert requested_grammar(make(guided_json=SCHEMA, guided_whitespace_pattern=r"[ \n]*")) == (
-        Grammar.json_schema(SCHEMA, r"[ \n]*"),
+        Grammar.json_schema(CLOSED, r"[ \n]*"),
         "guided_json",
     )
 
 
 def test_whitespace_pattern_without_json_is_a_400() -> None:
     assert refused(chat(guided_whitespace_pattern=" ")).param == "guided_whitespace_pattern"
-    assert refused(chat(guided_regex="a", guided_whitespace_pattern=" ")).param == "guided_regex"
+    assert refused(chat(guided_regex="a", guided_whitespace_pattern=" ")).param == "guided_whitespace_pattern"
     assert refused(chat(structured_outputs={"regex": "a", "whitespace_pattern": " "})).param == (
         "structured_outputs"
     )
@@ -536,3 +541,180 @@ def test_schema_text_nested_past_the_parser_is_a_400(field: str) -> None:
 def test_a_grammar_of_schema_text_nested_past_the_parser_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="nested"):
         Grammar("json_schema", "[" * 50_000 + "]" * 50_000)
+
+
+# ---- every spelling: enforced or refused (C2) ------------------------------------------------------
+
+ONE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+ONE_CLOSED = {**ONE, "additionalProperties": False}
+WRAPPED = {"name": "x", "schema": ONE}
+
+
+@pytest.mark.parametrize("make", [chat, completion])
+@pytest.mark.parametrize(
+    ("fields", "param", "expected"),
+    [
+        # OpenAI; LangChain method="json_schema"; pydantic-ai NativeOutput
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**WRAPPED, "strict": True}}},
+            "response_format",
+            Grammar.json_schema(ONE_CLOSED),
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**WRAPPED, "strict": False}}},
+            "response_format",
+            Grammar.json_schema(ONE_CLOSED),
+        ),
+        # OpenAI json mode; instructor JSON; LangChain method="json_mode"
+        (
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            Grammar.json_schema({"type": "object"}),
+        ),
+        # llama.cpp / Together / Fireworks; instructor JSON_SCHEMA
+        (
+            {"response_format": {"type": "json_object", "schema": ONE}},
+            "response_format",
+            Grammar.json_schema(ONE_CLOSED),
+        ),
+        (
+            {"response_format": {"type": "json_object", "json_schema": WRAPPED}},
+            "response_format",
+            Grammar.json_schema(ONE_CLOSED),
+        ),
+        # llama.cpp's top-level fields
+        ({"json_schema": ONE}, "json_schema", Grammar.json_schema(ONE_CLOSED)),
+        ({"json_schema": json.dumps(ONE)}, "json_schema", Grammar.json_schema(ONE_CLOSED)),
+        ({"grammar": 'root ::= "a" | "b"'}, "grammar", Grammar("gbnf", 'root ::= "a" | "b"')),
+        # vLLM
+        ({"structured_outputs": {"json": ONE}}, "structured_outputs", Grammar.json_schema(ONE_CLOSED)),
+        ({"guided_json": ONE}, "guided_json", Grammar.json_schema(ONE_CLOSED)),
+    ],
+    ids=[
+        "json_schema-strict",
+        "json_schema-lax",
+        "json_object",
+        "json_object+schema",
+        "json_object+json_schema",
+        "llama-json_schema",
+        "llama-json_schema-text",
+        "llama-grammar",
+        "so-json",
+        "guided_json",
+    ],
+)
+def test_every_json_spelling_asks_for_its_schema_closed(
+    make: Any, fields: dict[str, Any], param: str, expected: Grammar
+) -> None:
+    grammar, asked = requested_grammar(make(**fields))
+    assert (grammar, asked) == (expected, param)
+    assert grammar is not None and checked(grammar, asked) is grammar
+    assert wants_json(make(**fields)) == (expected.kind == "json_schema")
+
+
+def test_response_format_structural_tag_is_vllms() -> None:
+    tag = {"structures": [{"begin": "<f>", "schema": ONE, "end": "</f>"}], "triggers": ["<f"]}
+    grammar, param = requested_grammar(chat(response_format={"type": "structural_tag", **tag}))
+    assert param == "response_format" and grammar is not None and grammar.kind == "lark"
+    same, _ = requested_grammar(chat(structured_outputs={"structural_tag": tag}))
+    assert grammar == same
+    checked(grammar, param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "text", "schema": ONE}}, "response_format.schema"),
+        ({"response_format": {"schema": ONE}}, "response_format.schema"),  # no type: text
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": WRAPPED, "schema": ONE}},
+            "response_format.schema",
+        ),
+        ({"response_format": {"type": "json_schema", "schema": ONE}}, "response_format.schema"),
+        (
+            {"response_format": {"type": "json_object", "schema": ONE, "json_schema": WRAPPED}},
+            "response_format.json_schema",
+        ),
+        ({"response_format": {"type": "json_object", "json_schema": ONE}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**WRAPPED, "strict": "yes"}}},
+            "response_format.json_schema.strict",
+        ),
+        ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format.format"),
+        ({"response_format": {"type": "regex"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object", "schema": [1]}}, "response_format.schema"),
+        ({"response_format": {"type": "json_object", "schema": CYCLE}}, "response_format.schema"),
+        ({"json_schema": "[1]"}, "json_schema"),
+        ({"json_schema": {"type": "array", "uniqueItems": True}}, "json_schema"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"json_schema": ONE, "response_format": {"type": "json_object"}}, "json_schema"),
+        ({"grammar": 'root ::= "a"', "guided_regex": "a"}, "grammar"),
+        ({"structured_outputs": {"disable_additional_properties": False}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"disable_additional_properties": False}, "grammar": 'root ::= "a"'},
+            "structured_outputs",
+        ),
+        (
+            {
+                "structured_outputs": {"whitespace_pattern": " "},
+                "guided_json": ONE,
+                "guided_whitespace_pattern": " ",
+            },
+            "guided_whitespace_pattern",
+        ),
+    ],
+)
+def test_every_refused_spelling_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    for make in (chat, completion):
+        assert refused(make(**fields)).param == param
+
+
+def test_unlisted_properties_are_refused_by_default_and_allowed_by_the_option() -> None:
+    """The grammar itself, on the tests' tokenizer: `{"a": 1, "b": 2}` is cut at the ',' under the
+    default reading; with disable_additional_properties false (plain JSON Schema) it is whole."""
+    extra = '{"a": 1, "b": 2}'
+    fmt = {"type": "json_schema", "json_schema": WRAPPED}
+    closed, _ = requested_grammar(chat(response_format=fmt))
+    opened, _ = requested_grammar(
+        chat(response_format=fmt, structured_outputs={"disable_additional_properties": False})
+    )
+    said, _ = requested_grammar(chat(json_schema={**ONE, "additionalProperties": {"type": "integer"}}))
+    assert closed is not None and opened is not None and said is not None
+    assert json.loads(opened.source) == ONE  # as sent
+    for grammar, accepted in ((closed, extra.index(",")), (opened, len(extra)), (said, len(extra))):
+        c, tok = _constraint(grammar)
+        assert c.valid_prefix(tok.encode(extra, add_special_tokens=False)) == accepted
+    # disable_additional_properties true says what is the default.
+    same, _ = requested_grammar(
+        chat(response_format=fmt, structured_outputs={"disable_additional_properties": True})
+    )
+    assert same == closed
+
+
+def test_json_options_tune_every_json_spelling() -> None:
+    ws = {"whitespace_pattern": r"[ ]?"}
+    for fields in (
+        {"response_format": {"type": "json_object", "schema": ONE}},
+        {"json_schema": ONE},
+        {"guided_json": ONE},
+    ):
+        grammar, _ = requested_grammar(chat(**fields, structured_outputs=ws))
+        assert grammar == Grammar.json_schema(ONE_CLOSED, r"[ ]?")
+
+
+def test_tool_arguments_admit_no_unlisted_properties() -> None:
+    open_tool = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            },
+        }
+    ]
+    functions = forced_tool(open_tool, "required")
+    assert functions is not None
+    c, tok = _constraint(Grammar("lark", tool_call_lark(functions, parallel=False, native=False)))
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1, "y": 2}}</tool_call>'
+    assert c.valid_prefix(tok.encode(call, add_special_tokens=False)) == call.index(', "y"')
