@@ -1,7 +1,7 @@
 """What the gateway adds over calling the same backend directly, beside LiteLLM, one run, side by side.
 
     python bench/bench_gateway.py [--quick] [--requests 4000] [--concurrency 100] [--litellm PATH]
-                                  [--baseline OTHER/.venv/bin/python]
+                                  [--baseline OTHER/.venv/bin/python] [--responses]
 
 Targets, all fronting one stub OpenAI-compatible backend (bench/stub_backend.py: canned answers,
 no model): `direct` (the stub itself), `specgate` (`specgate serve`, one worker, the default),
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import statistics
@@ -48,6 +49,9 @@ from specgate.bench import gateway_targets as gt
 from specgate.bench.stub_backend import MODEL
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+# The same question on the Responses API (`store` at its default, true: each answer is saved).
+RESPONSES_BODY = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 8}
+RESPONSES = "specgate responses"  # --responses: the `specgate` process, called on /v1/responses
 ANCHORS = "published, sequential on localhost: LiteLLM adds ~4 ms p50, TensorZero ~0.4 ms."
 Sample = tuple[float, float]  # seconds to the first event (JSON: the response), and to the end
 Call = Callable[[], Awaitable[Sample]]
@@ -55,8 +59,9 @@ NCPU = os.cpu_count() or 1
 CPU_KEYS = ("client", "stub", "gateway", "machine")  # machine: busy time of all the machine's cores
 
 
-def httpx_call(client: httpx.AsyncClient, stream: bool) -> Call:
-    url, body = "/v1/chat/completions", {**BODY, "stream": stream}
+def httpx_call(client: httpx.AsyncClient, stream: bool, responses: bool = False) -> Call:
+    url, body = ("/v1/responses", RESPONSES_BODY) if responses else ("/v1/chat/completions", BODY)
+    body = {**body, "stream": stream}
 
     async def call() -> Sample:
         start = time.perf_counter()
@@ -265,7 +270,7 @@ async def run(args: argparse.Namespace, targets: list[gt.Target]) -> list[tuple[
     ]
     out = []
     for mode, clients in modes:
-        calls = {k: [httpx_call(cl, mode.stream) for cl in cs] for k, cs in clients.items()}
+        calls = {k: [httpx_call(cl, mode.stream, k == RESPONSES) for cl in cs] for k, cs in clients.items()}
         out.append((mode, await measure(mode, targets, calls, warmup=30 if mode.inflight == 1 else 3 * c)))
     for cl in [*(x for cs in seq.values() for x in cs), *(x for cs in pools.values() for x in cs)]:
         await cl.aclose()
@@ -362,6 +367,17 @@ def goals(results: list[tuple[Mode, dict[str, Cell]]]) -> None:
         print(
             f"  info specgate x2 req/s / direct's, {mode.label}: {100 * r2:.0f}% (2 workers: x{r2 / r:.2f})"
         )
+    if RESPONSES in seq:
+        for label, cells, attr in [
+            ("sequential", seq, "end"),
+            ("sequential stream, first event", sseq, "first"),
+        ]:
+            chat, resp = added(cells, "specgate", attr, 0.5), added(cells, RESPONSES, attr, 0.5)
+            ok = resp <= chat * 1.1 or resp - chat < 0.1
+            print(
+                f"  {mark(ok)} /v1/responses added p50 / chat's, {label}: {resp:.2f} / {chat:.2f} ms "
+                "(goal within 10%, or 0.1 ms)"
+            )
     if "base" in seq:
         baseline(results, added)
     if "litellm" not in seq:
@@ -409,6 +425,9 @@ def main() -> None:
     ap.add_argument("--no-telemetry", action="store_true", help="turn specgate's telemetry store off")
     ap.add_argument("--quick", action="store_true", help="a short run, about two minutes")
     ap.add_argument("--baseline", metavar="PYTHON", help="another build's interpreter, run beside this one")
+    ap.add_argument(
+        "--responses", action="store_true", help="also call the one-worker gateway on /v1/responses"
+    )
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rounds = 400, 4
@@ -426,6 +445,8 @@ def main() -> None:
             stub = targets[0].url
             telemetry = not args.no_telemetry
             targets.append(gt.start_specgate("specgate", stub, tmp, 1, telemetry))
+            if args.responses:  # the same process as `specgate`, measured in its own blocks
+                targets.append(dataclasses.replace(targets[-1], name=RESPONSES))
             targets.append(gt.start_specgate("specgate x2", stub, tmp, 2, telemetry))
             if args.baseline:
                 targets.append(gt.start_specgate("base", stub, tmp, 1, telemetry, args.baseline))

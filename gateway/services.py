@@ -31,6 +31,7 @@ from specgate.gateway.routing.router import Router, RoutingPolicy
 from specgate.gateway.settings import Settings
 from specgate.gateway.telemetry.metrics import Metrics
 from specgate.gateway.telemetry.records import MemorySink, RecordSink, RequestRecord
+from specgate.gateway.telemetry.responses_store import ResponseStore
 from specgate.gateway.telemetry.schema import default_data_dir
 from specgate.gateway.telemetry.store import TelemetryStore
 from specgate.gateway.worker_context import WorkerContext
@@ -89,6 +90,7 @@ class Services:
     # Latency targets of the keys that set their own (ApiKey.slo_*), by key id.
     key_slos: dict[str, Slo] = field(default_factory=dict)
     _limiters: dict[int, Limiter] = field(default_factory=dict)
+    responses: ResponseStore | None = None  # stored Responses API answers (with the telemetry store)
 
     @classmethod
     def build(
@@ -160,6 +162,7 @@ class Services:
             default_limits=defaults,
             shared=shared,
             key_slos=key_slos,
+            responses=ResponseStore(store.engine) if store is not None else None,
         )
         services.metrics.models = registry.models
         if store is not None:
@@ -243,6 +246,8 @@ class Services:
             await self.policy.close()
         await self.registry.close()
         await self.client.aclose()
+        if self.responses is not None:
+            await asyncio.to_thread(self.responses.close)  # writes every queued response first
         if self.store is not None:
             await asyncio.to_thread(self.store.close)  # flushes every queued row first
 

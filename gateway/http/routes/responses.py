@@ -56,6 +56,8 @@ from specgate.gateway.services import Services
 from specgate.gateway.telemetry.responses_store import ResponseStore, StoredResponse
 
 logger = logging.getLogger("specgate.gateway")
+# A response another worker answered reaches the database within its writer's next batch.
+LATE_WRITE_SECONDS = 0.05
 PATH = "/v1/responses"
 SUMMARY = "Responses"
 OPERATION_ID = "responses_v1_responses_post"
@@ -89,7 +91,7 @@ def owner_of(caller: Caller) -> str:
 
 
 def store_of(svc: Services) -> ResponseStore | None:
-    return ResponseStore(svc.store.engine) if svc.store is not None else None
+    return svc.responses
 
 
 def _clean(param: str | None) -> str | None:
@@ -148,6 +150,10 @@ def endpoint() -> ASGIApp:
         owner, store = owner_of(caller), store_of(svc)
         if store is None and parsed.store:
             raise invalid("store needs the telemetry database, which this gateway runs without", "store")
+        if store is not None and parsed.store and store.backlogged:
+            raise GatewayError(
+                503, "the response store is unavailable (writes are backlogged)", code="store_unavailable"
+            )
         prior: list[dict[str, Any]] = []
         if parsed.previous_response_id is not None:
             if store is None:
@@ -155,6 +161,9 @@ def endpoint() -> ASGIApp:
                     "previous_response_id needs stored responses: telemetry is off", "previous_response_id"
                 )
             found = await _db("read", store.get, parsed.previous_response_id, owner)
+            if found is None:  # another worker may have it queued still: its writer's next batch
+                await asyncio.sleep(LATE_WRITE_SECONDS)
+                found = await _db("read", store.get, parsed.previous_response_id, owner)
             if found is None:  # unknown, deleted, or another key's: the same answer
                 raise GatewayError(
                     400,
@@ -303,7 +312,13 @@ class ResponsesShape:
             output_items=[i for i in output if isinstance(i, dict)],
             response=response,
         )
-        await _db("write", self.store.save, row)
+        try:
+            self.store.put(row)  # written behind the answer; readable in this process at once
+        except RuntimeError as exc:
+            logger.error("stored responses: %s", exc)
+            raise GatewayError(
+                503, f"the response store is unavailable ({exc})", code="store_unavailable"
+            ) from None
 
 
 def _int(value: Any) -> int | None:
