@@ -34,6 +34,12 @@ def cmd_bench_exhaustion(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench_families(args: argparse.Namespace) -> int:
+    from specgate.bench.families import run
+
+    return run(args)
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from specgate.gateway.telemetry import schema
 
@@ -80,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_exhaustion_arguments(exhaustion)
     exhaustion.set_defaults(func=cmd_bench_exhaustion)
+    families = bench.add_parser(
+        "families", help="each model family's GGUF file: llama.cpp's llama-server against specgate serve"
+    )
+    from specgate.bench.families import add_arguments as add_families_arguments
+
+    add_families_arguments(families)
+    families.set_defaults(func=cmd_bench_families)
 
     db = sub.add_parser("db", help="telemetry database schema (Alembic)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])
