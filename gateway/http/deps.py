@@ -65,6 +65,12 @@ def hold(request: Request, counts: Concurrency, key: str, limit: int, what: str)
     held.append((counts, key))
 
 
+def hold_stream(request: Request, svc: Services, caller: Caller) -> None:
+    """A stream counts against its tenant's cap on open streams (the raw inference routes)."""
+    limit = svc.tenant_limits(caller.key_id if svc.api_keys else None).max_streams
+    hold(request, svc.in_flight, f"stream:{caller.tenant}", limit, "streams")
+
+
 async def _api_key(request: Request, svc: ServicesDep) -> Caller:
     return await api_key(request, svc)
 

@@ -32,6 +32,15 @@ _MEMBER = re.compile(r"[\[\]-]")  # union members: list[int], constrained-str, f
 _TYPES_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+def post_only(method: str) -> JSONResponse | None:
+    """The 405 a raw ASGI POST route answers any other method with (None for POST)."""
+    if method == "POST":
+        return None
+    refusal = error_response(GatewayError(405, "Method Not Allowed"))
+    refusal.headers["allow"] = "POST"
+    return refusal
+
+
 def _param(loc: Sequence[Any]) -> str | None:
     """A pydantic error location as the dotted parameter the client sent.
 

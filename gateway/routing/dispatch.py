@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from specgate.gateway.backends.base import Backend, BackendCall
 from specgate.gateway.backends.relay import RelayCall
@@ -17,11 +17,21 @@ from specgate.gateway.backends.upstream.backend import OpenAIBackend
 from specgate.gateway.protocol.errors import GatewayError
 
 logger = logging.getLogger("specgate.gateway")
+B = TypeVar("B", bound=Backend)
 
 
-def _ordered(candidates: list[Backend]) -> list[Backend]:
+def _ordered(candidates: list[B]) -> list[B]:
     # Healthy backends first, in route order; unhealthy ones stay as a last resort.
     return [b for b in candidates if b.healthy] + [b for b in candidates if not b.healthy]
+
+
+def _passed_over(backend: Backend, request_id: str, err: GatewayError, errors: list[GatewayError]) -> None:
+    """A candidate failed before anything reached the client: the error is the client's answer
+    unless it is retryable, when it is kept for the final one and the next candidate is tried."""
+    if not err.retryable:
+        raise err
+    logger.info("backend %s failed for %s: %s; trying the next", backend.name, request_id, err.message)
+    errors.append(err)
 
 
 def _exhausted(errors: list[GatewayError]) -> GatewayError:
@@ -49,12 +59,7 @@ async def complete(call: BackendCall, candidates: list[Backend]) -> tuple[dict[s
         try:
             return await backend.complete(call), backend
         except GatewayError as err:
-            if not err.retryable:
-                raise
-            logger.info(
-                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
-            )
-            errors.append(err)
+            _passed_over(backend, call.request_id, err, errors)
     raise _exhausted(errors)
 
 
@@ -73,12 +78,7 @@ async def open_stream(
             continue
         except GatewayError as err:
             await _close(stream)
-            if not err.retryable:
-                raise
-            logger.info(
-                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
-            )
-            errors.append(err)
+            _passed_over(backend, call.request_id, err, errors)
             continue
         except BaseException:
             await _close(stream)
@@ -91,18 +91,12 @@ async def relay(call: RelayCall, candidates: list[OpenAIBackend]) -> tuple[dict[
     """A pass-through call (embeddings, tokenize, ...): the first answer, failing over as `complete`
     does; the call's observation names the backend that served it."""
     errors: list[GatewayError] = []
-    up = [b for b in candidates if b.healthy]
-    for backend in up + [b for b in candidates if not b.healthy]:
+    for backend in _ordered(candidates):
         call.observed.backend = backend.name
         try:
             return await backend.relay(call), backend
         except GatewayError as err:
-            if not err.retryable:
-                raise
-            logger.info(
-                "backend %s failed for %s: %s; trying the next", backend.name, call.request_id, err.message
-            )
-            errors.append(err)
+            _passed_over(backend, call.request_id, err, errors)
     raise _exhausted(errors)
 
 

@@ -6,7 +6,8 @@ gets a 400 and never a half-started stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,7 @@ def too_long(model: ModelInfo, tokens: int, param: str, limit: int | None = None
     )
 
 
-def _text_fits(model: ModelInfo, text: str, param: str) -> None:
+def text_fits(model: ModelInfo, text: str, param: str) -> None:
     """Refuse a text that cannot fit the context before it is tokenized: no token is longer than
     `max_token_chars` characters, so a text longer than that many times the context is too long."""
     if len(text) > model.max_model_len * model.max_token_chars:
@@ -245,21 +246,29 @@ def _lark(text: str, param: str) -> Grammar:
         raise GatewayError(400, f"{param}: {exc}", code="invalid_value", param=param) from None
 
 
-def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:
-    tok = model.tokenizer
+@contextmanager
+def template_errors() -> Iterator[None]:
+    """Rendering and reading messages: what the messages or the template refuse is a 400 naming
+    `messages`, never a 500."""
     try:
-        messages, tools = normalize_messages(
-            tok, req.messages, req.tools, req.tool_choice, model.chat_template
-        )
-        text = chat_text(tok, messages, tools, model.chat_template)
-        _text_fits(model, text, "messages")
-        ids = encode(tok, text)
+        yield
     except GatewayError:
         raise
     except ValueError as exc:
         raise GatewayError(400, str(exc), code="invalid_value", param="messages") from exc
     except Exception as exc:  # jinja errors: the template rejected this conversation
         raise GatewayError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+
+def _chat_prompt(req: ChatCompletionRequest, model: ModelInfo) -> tuple[list[int], bool]:
+    tok = model.tokenizer
+    with template_errors():
+        messages, tools = normalize_messages(
+            tok, req.messages, req.tools, req.tool_choice, model.chat_template
+        )
+        text = chat_text(tok, messages, tools, model.chat_template)
+        text_fits(model, text, "messages")
+        ids = encode(tok, text)
     return ids, bool(req.tools) and req.tool_choice != "none"
 
 
@@ -278,7 +287,7 @@ def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> tuple[list[i
     if isinstance(prompt, str):
         if not prompt:
             raise GatewayError(400, "prompt must not be empty", code="invalid_value", param="prompt")
-        _text_fits(model, prompt, "prompt")
+        text_fits(model, prompt, "prompt")
         ids = list(model.tokenizer.encode(prompt))
         text = prompt
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from specgate.gateway.backends.embedded.chat_template import chat_text, encode, normalize_messages
+from specgate.gateway.backends.embedded.prompt import template_errors, text_fits
 from specgate.gateway.engine_core.model_info import ModelInfo
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.passthrough_schemas import DetokenizeRequest, TokenizeRequest
@@ -25,7 +26,7 @@ def tokenize(model: ModelInfo, req: TokenizeRequest) -> dict[str, Any]:
         ids = _chat_ids(model, req)
     else:
         text, param = (req.content, "content") if req.content is not None else (req.prompt or "", "prompt")
-        _fits(model, text, param)
+        text_fits(model, text, param)
         # Each dialect's default: vLLM adds the model's special tokens (BOS) as the completions
         # endpoint does, llama.cpp does not.
         own, other = (
@@ -68,33 +69,14 @@ def detokenize(model: ModelInfo, req: DetokenizeRequest) -> dict[str, Any]:
 def _chat_ids(model: ModelInfo, req: TokenizeRequest) -> list[int]:
     tok = model.tokenizer
     assert req.messages is not None
-    try:
+    with template_errors():
         messages, _ = normalize_messages(tok, req.messages, None, None, model.chat_template)
         generation = req.add_generation_prompt is not False
         text = chat_text(tok, messages, None, model.chat_template, add_generation_prompt=generation)
-        _fits(model, text, "messages")
+        text_fits(model, text, "messages")
         if req.add_special_tokens:  # vLLM's default for messages is off: the template wrote them
             return [int(t) for t in tok(text, add_special_tokens=True)["input_ids"]]
         return encode(tok, text)
-    except GatewayError:
-        raise
-    except ValueError as exc:
-        raise GatewayError(400, str(exc), code="invalid_value", param="messages") from exc
-    except Exception as exc:  # jinja errors: the template rejected this conversation
-        raise GatewayError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-
-
-def _fits(model: ModelInfo, text: str, param: str) -> None:
-    """No token spells more than `max_token_chars` characters: a longer text than that many times
-    the context cannot fit the model, and is refused before the tokenizer reads it."""
-    if len(text) > model.max_model_len * model.max_token_chars:
-        raise GatewayError(
-            400,
-            f"This model's maximum context length is {model.max_model_len} tokens. However, your "
-            f"{param} is {len(text)} characters long, more than that many tokens can hold.",
-            code="context_length_exceeded",
-            param=param,
-        )
 
 
 def _no_extensions(extra: dict[str, Any] | None) -> None:

@@ -384,11 +384,16 @@ class OpenAIBackend:
         finally:
             self.breaker.release(call)
 
-    async def _complete(self, call: BackendCall) -> dict[str, Any]:
+    async def _fetch_json(
+        self, call: BackendCall | RelayCall, url: str | None, payload: bytes | None
+    ) -> dict[str, Any]:
+        """The backend's whole JSON answer to one POST, within the total timeout and the response
+        size bound; a transport failure or a timeout is a retryable 503 (and a breaker failure), a
+        body that is not a JSON object a protocol break. A success closes the breaker's count."""
         self._in_flight.enter()
         try:
             async with asyncio.timeout(self.settings.total_timeout):
-                response = await self._timed_send(call, *responses_proxy.target(self.settings, call))
+                response = await self._timed_send(call, url, payload)
                 try:
                     raw = await read_capped(response, self.settings.max_response_bytes)
                 finally:
@@ -405,6 +410,10 @@ class OpenAIBackend:
             self._in_flight.leave()
         self.breaker.record_success()
         self.probe_ok = True  # it served a request: as good as a health probe
+        return body
+
+    async def _complete(self, call: BackendCall) -> dict[str, Any]:
+        body = await self._fetch_json(call, *responses_proxy.target(self.settings, call))
         capture(body, call.observed)
         # The whole answer arrives at once: its first token's time is known only if the backend
         # measured it (else None, and the record's TTFT and TPOT stay unknown rather than wrong).
@@ -423,31 +432,14 @@ class OpenAIBackend:
         s = self.settings
         base = s.base_url.removesuffix("/v1") if call.root else s.base_url
         payload = json_codec.encode({**call.body, "model": self.upstream_model(call.model)})
-        self._in_flight.enter()
         try:
-            async with asyncio.timeout(s.total_timeout):
-                response = await self._timed_send(call, f"{base}{call.path}", payload)
-                try:
-                    raw = await read_capped(response, s.max_response_bytes)
-                finally:
-                    await response.aclose()
-            body = json_object(raw, response.headers.get("content-type", ""))
+            body = await self._fetch_json(call, f"{base}{call.path}", payload)
         except GatewayError as err:
             if err.status in (404, 405) and not err.retryable:
                 err.retryable = True
             raise
-        except (TransportError, TimeoutError) as exc:
-            self.breaker.record_failure()
-            raise GatewayError(
-                503, f"backend {self.name} failed ({type(exc).__name__})", retryable=True
-            ) from exc
-        except Malformed as exc:
-            raise self._broke_protocol(exc) from None
         finally:
-            self._in_flight.leave()
             self.breaker.release(call)
-        self.breaker.record_success()
-        self.probe_ok = True
         if "model" in body:
             body["model"] = call.model
         return body

@@ -17,10 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specgate.gateway.backends.base import Kind
 from specgate.gateway.http import body
-from specgate.gateway.http.deps import api_key, hold
-from specgate.gateway.http.errors import error_response
+from specgate.gateway.http.deps import api_key, hold_stream
+from specgate.gateway.http.errors import post_only
 from specgate.gateway.http.serving import handle
-from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.request.tracker import RequestTracker
 from specgate.gateway.services import Services
@@ -48,9 +47,8 @@ def endpoint(op: Operation) -> ASGIApp:
     """The ASGI app of one inference route (inside GatewayMiddleware, which catches what it raises)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] != "POST":
-            refusal = error_response(GatewayError(405, "Method Not Allowed"))
-            refusal.headers["allow"] = "POST"
+        refusal = post_only(scope["method"])
+        if refusal is not None:
             await refusal(scope, receive, send)
             return
         request = Request(scope, receive)
@@ -59,8 +57,7 @@ def endpoint(op: Operation) -> ASGIApp:
         caller = await api_key(request, svc, tracker)
         parsed = await body.parse(request, op.model, tracker)
         if parsed.stream:
-            limit = svc.tenant_limits(caller.key_id if svc.api_keys else None).max_streams
-            hold(request, svc.in_flight, f"stream:{caller.tenant}", limit, "streams")
+            hold_stream(request, svc, caller)
         response = await handle(svc, request, tracker, parsed, op.kind)
         await response(scope, receive, send)
 

@@ -28,8 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.http import body as request_body
-from specgate.gateway.http.deps import ApiKeyDep, ServicesDep, api_key, hold
-from specgate.gateway.http.errors import error_response
+from specgate.gateway.http.deps import ApiKeyDep, ServicesDep, api_key, hold_stream
+from specgate.gateway.http.errors import post_only
 from specgate.gateway.http.serving import handle
 from specgate.gateway.http.sse import sse
 from specgate.gateway.protocol.errors import GatewayError, invalid
@@ -133,9 +133,8 @@ def endpoint() -> ASGIApp:
     """The ASGI app of POST /v1/responses (inside GatewayMiddleware, which catches what it raises)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] != "POST":
-            refusal = error_response(GatewayError(405, "Method Not Allowed"))
-            refusal.headers["allow"] = "POST"
+        refusal = post_only(scope["method"])
+        if refusal is not None:
             await refusal(scope, receive, send)
             return
         request = Request(scope, receive)
@@ -180,8 +179,7 @@ def endpoint() -> ASGIApp:
             err.param = client_param(err.param)
             raise
         if parsed.stream:
-            limit = svc.tenant_limits(caller.key_id if svc.api_keys else None).max_streams
-            hold(request, svc.in_flight, f"stream:{caller.tenant}", limit, "streams")
+            hold_stream(request, svc, caller)
         head = Head.of(rid, int(tracker.context.arrival_time), parsed)
         if store is None:
             head.echo["store"] = False
