@@ -32,7 +32,7 @@ class ModelRunner:
         self.native = native_gguf(config, self.source)
         hf_model = None
         if self.native is not None:
-            model_config, self.tokenizer = self.native
+            model_config, self.tokenizer = self.native.config, self.native.tokenizer
             if config.dtype_auto:
                 config.dtype = "float32"
         else:
@@ -71,9 +71,7 @@ class ModelRunner:
         self.max_model_len = min(limits)
         self.weight_bytes: int | None = None  # bytes of weights a decode step reads (native GGUF)
         if self.native is not None:
-            self.model, self.weight_bytes = build_native(
-                model_config, config, self.source, self.max_model_len
-            )
+            self.model, self.weight_bytes = build_native(self.native, config, self.source, self.max_model_len)
             self.compact = True
         else:
             self.model, self.compact = build_model(hf_model, config, self.source, self.max_model_len)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from specgate.engine.cpu_linear import PackedLinear, pack_linears, packing_suppo
 from specgate.engine.kernels import extension
 from specgate.engine.loader import ModelSource, load_config_and_tokenizer
 from specgate.engine.models.family import unsupported
-from specgate.engine.models.gguf_weights import apply_file_metadata
+from specgate.engine.models.gguf_weights import GGUFWeights, apply_file_metadata
 from specgate.engine.models.linear import WeightOnlyLinear
 from specgate.engine.models.llama import CompactCausalLM
 from specgate.engine.models.plan import gguf_tensor_types, mode_plan
@@ -58,8 +59,19 @@ def build_model(hf_model: Any, config: EngineConfig, source: ModelSource, max_le
     return model, True
 
 
-def native_gguf(config: EngineConfig, source: ModelSource) -> tuple[Any, Any] | None:
-    """(model config, tokenizer) when the native GGUF kernels will serve this model, else None:
+@dataclass(frozen=True, slots=True)
+class NativeFile:
+    """A GGUF file the native kernels will serve: its model configuration (corrected by the
+    file's own metadata), its tokenizer, and the file opened once (its header takes seconds to
+    read for a large vocabulary)."""
+
+    config: Any
+    tokenizer: Any
+    weights: GGUFWeights
+
+
+def native_gguf(config: EngineConfig, source: ModelSource) -> NativeFile | None:
+    """The file, when the native GGUF kernels will serve this model, else None:
     a GGUF file of a family the compact decoder covers (models/family.py), on CPU, with
     `quantization` auto and the kernels built. Anything else (or kernels that cannot be built here)
     takes the Hugging Face loading path, and the start-up log says why."""
@@ -76,7 +88,8 @@ def native_gguf(config: EngineConfig, source: ModelSource) -> tuple[Any, Any] | 
         logger.info("%s: not on the native GGUF kernels (%s)", source.name, why)
         return None
     model_config, tokenizer = load_config_and_tokenizer(source, config.convert_cache_dir)
-    reason = apply_file_metadata(model_config, source.directory / source.gguf_file)
+    weights = GGUFWeights.open(source.directory / source.gguf_file)
+    reason = apply_file_metadata(model_config, weights)
     reason = reason or unsupported(model_config)
     if reason is not None:
         logger.warning("%s: served by the Hugging Face modules, dequantized: %s", source.name, reason)
@@ -88,11 +101,11 @@ def native_gguf(config: EngineConfig, source: ModelSource) -> tuple[Any, Any] | 
             extension.unavailable_reason(),
         )
         return None
-    return model_config, tokenizer
+    return NativeFile(model_config, tokenizer, weights)
 
 
 def build_native(
-    model_config: Any, config: EngineConfig, source: ModelSource, max_len: int
+    native: NativeFile, config: EngineConfig, source: ModelSource, max_len: int
 ) -> tuple[Any, int]:
     """(the compact decoder on the GGUF kernels, bytes of weights one decode step reads)."""
     from transformers import GenerationConfig
@@ -100,8 +113,8 @@ def build_native(
     from specgate.engine.models.gguf_model import build_gguf_model
 
     pack = bool(config.pack_linears) and packing_supported(config.torch_dtype)
-    generation = GenerationConfig.from_model_config(model_config)
-    model, _ = build_gguf_model(source, model_config, config.torch_dtype, pack, max_len, generation)
+    generation = GenerationConfig.from_model_config(native.config)
+    model = build_gguf_model(native.weights, native.config, config.torch_dtype, pack, max_len, generation)
     _make_invariant(model, config)
     model.bind_layers()
     per_step = sum(p.nbytes for m in model.modules() if isinstance(m, GGUFLinear) for p in m.parts)

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from specgate.engine.cpu_linear import PackedLinear
-from specgate.engine.loader import ModelSource
 from specgate.engine.models.family import GLOBAL, family_of
 from specgate.engine.models.gguf_weights import GGUFWeights
 from specgate.engine.models.llama import CompactCausalLM, CompactLayer
@@ -53,15 +52,13 @@ def _layer(
 
 
 def build_gguf_model(
-    source: ModelSource,
+    w: GGUFWeights,
     config: Any,
     dtype: torch.dtype,
     pack: bool,
     max_len: int,
     generation_config: Any = None,
-) -> tuple[CompactCausalLM, GGUFWeights]:
-    assert source.gguf_file is not None
-    w = GGUFWeights.open(source.directory / source.gguf_file)
+) -> CompactCausalLM:
     family = family_of(config)
     heads, kv_heads = family.heads, family.kv_heads
 
@@ -138,4 +135,4 @@ def build_gguf_model(
         total / 1e6,
         ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in w.loaded_bytes.most_common()),
     )
-    return model, w
+    return model

@@ -41,16 +41,20 @@ class GGUFWeights:
     path: Path
     architecture: str
     _tensors: dict[str, Any] = field(default_factory=dict)
+    _fields: dict[str, Any] = field(default_factory=dict)  # the header's metadata, by key
     loaded_bytes: Counter[str] = field(default_factory=Counter)  # bytes in memory by source type
 
     @classmethod
     def open(cls, path: Path) -> GGUFWeights:
         from gguf import GGUFReader
 
-        reader = GGUFReader(path)
-        field_ = reader.fields.get("general.architecture")
-        arch = bytes(field_.parts[field_.data[0]]).decode() if field_ is not None else "llama"
-        return cls(path, arch, {t.name: t for t in reader.tensors})
+        reader = GGUFReader(path)  # seconds for a large vocabulary: open a file once
+        arch = _scalar(reader.fields, "general.architecture") or "llama"
+        return cls(path, arch, {t.name: t for t in reader.tensors}, dict(reader.fields))
+
+    def metadata(self, key: str) -> Any:
+        """A scalar metadata value of the file (str, int, float or bool), or None where it has none."""
+        return _scalar(self._fields, key)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -94,9 +98,8 @@ class GGUFWeights:
         return m
 
 
-def _scalar(reader: Any, key: str) -> Any:
-    """A scalar metadata value of the file (str, int, float or bool), or None where it has none."""
-    f = reader.fields.get(key)
+def _scalar(fields: dict[str, Any], key: str) -> Any:
+    f = fields.get(key)
     if f is None or not f.data:
         return None
     value = f.parts[f.data[0]]
@@ -105,35 +108,33 @@ def _scalar(reader: Any, key: str) -> Any:
     return value.tolist()[0] if hasattr(value, "tolist") else value
 
 
-def apply_file_metadata(config: Any, path: Path) -> str | None:
-    """Correct the configuration transformers' GGUF loader made of `path` where the file says more
-    than that loader reads (a Qwen3 head size apart from hidden / heads, a sliding window, linear
-    rotary scaling); returns why the compact decoder cannot serve the file as it says, or None."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = _scalar(reader, "general.architecture") or "llama"
+def apply_file_metadata(config: Any, w: GGUFWeights) -> str | None:
+    """Correct the configuration transformers' GGUF loader made of the file `w` where the file says
+    more than that loader reads (a Qwen3 head size apart from hidden / heads, a sliding window,
+    linear rotary scaling); returns why the compact decoder cannot serve the file as it says, or
+    None."""
+    arch = w.architecture
     c = config.get_text_config()
-    key_length = _scalar(reader, f"{arch}.attention.key_length")
+    key_length = w.metadata(f"{arch}.attention.key_length")
     if key_length and int(key_length) != (
         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     ):
         c.head_dim = int(key_length)
-    window = _scalar(reader, f"{arch}.attention.sliding_window")
+    window = w.metadata(f"{arch}.attention.sliding_window")
     if window and not getattr(c, "sliding_window", None) and getattr(c, "layer_types", None) is None:
         c.sliding_window = int(window)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    rotated = _scalar(reader, f"{arch}.rope.dimension_count")
+    rotated = w.metadata(f"{arch}.rope.dimension_count")
     params = getattr(c, "rope_parameters", None) or {}
     partial = float(
         params.get("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0
     )
     if rotated and int(rotated) != int(head_dim * partial):
         return f"the file rotates {rotated} of {head_dim} dims per head, which its configuration does not say"
-    scaling = _scalar(reader, f"{arch}.rope.scaling.type")
+    scaling = w.metadata(f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
-    factor = float(_scalar(reader, f"{arch}.rope.scaling.factor") or 1.0)
+    factor = float(w.metadata(f"{arch}.rope.scaling.factor") or 1.0)
     if scaling != "linear":
         return f"{scaling!r} rotary scaling in the file is not covered"
     if factor != 1.0:

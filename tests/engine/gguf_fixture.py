@@ -191,6 +191,20 @@ def write_gguf(
     return out
 
 
+# Every kind of block the kernels read, and a K-quant on the tied or untied head.
+MIXED = {
+    "attn_q.weight": GGMLQuantizationType.Q4_K,
+    "attn_k.weight": GGMLQuantizationType.Q5_0,
+    "attn_v.weight": GGMLQuantizationType.Q6_K,
+    "attn_output.weight": GGMLQuantizationType.Q4_1,
+    "ffn_gate.weight": GGMLQuantizationType.Q5_K,
+    "ffn_up.weight": GGMLQuantizationType.Q4_0,
+    "ffn_down.weight": GGMLQuantizationType.Q6_K,
+    "output.weight": GGMLQuantizationType.Q8_0,
+    "token_embd.weight": GGMLQuantizationType.Q5_1,
+}
+
+
 # ---- running the engine on these files (tests/engine/models) ----------------------------------
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

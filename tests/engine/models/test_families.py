@@ -39,7 +39,7 @@ from specgate.engine.models.quantized import GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
-from tests.engine.gguf_fixture import GREEDY, write_gguf
+from tests.engine.gguf_fixture import GREEDY, MIXED, write_gguf
 from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference
 from tests.engine.gguf_fixture import gguf_engine as _engine
 from tests.engine.gguf_fixture import quantize_inputs as _quantize_inputs
@@ -50,18 +50,7 @@ pytestmark = pytest.mark.skipif(
     not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
 )
 
-TYPES = {
-    "attn_q.weight": T.Q4_K,
-    "attn_k.weight": T.Q5_0,
-    "attn_v.weight": T.Q6_K,
-    "attn_qkv.weight": T.Q5_K,
-    "attn_output.weight": T.Q4_1,
-    "ffn_gate.weight": T.Q5_K,
-    "ffn_up.weight": T.Q4_0,
-    "ffn_down.weight": T.Q6_K,
-    "output.weight": T.Q8_0,
-    "token_embd.weight": T.Q5_1,
-}
+TYPES = {**MIXED, "attn_qkv.weight": T.Q5_K}  # Phi-3 files fuse q, k, v
 FAMILIES = ["qwen3", "gemma3", "phi3", "mistral", "llama3"]
 HIDDEN = 256
 
@@ -181,32 +170,17 @@ def test_the_native_model_computes_the_files_model(files: dict[str, tuple[Path, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_compact_decoder_from_hugging_face_weights_computes_the_modules_logits(
-    files: dict[str, tuple[Path, Path]], family: str
+@pytest.mark.parametrize("impl", ["compact", "hf"])
+def test_a_hugging_face_checkpoint_computes_the_modules_logits(
+    files: dict[str, tuple[Path, Path]], family: str, impl: str
 ) -> None:
-    """The compact decoder built from a Hugging Face checkpoint (dense, no kernels: the GPU and
-    safetensors path) against the module itself, over a step that crosses the windows."""
-    engine = _engine(files, family, model=str(files[family][1]), quantization="none")
-    assert engine.runner.compact and isinstance(engine.runner.model, CompactCausalLM)
-    reference = AutoModelForCausalLM.from_pretrained(
-        files[family][1], dtype=torch.float32, attn_implementation="sdpa"
-    )
-    captured = _step_logits(engine)
-    prompt = list(range(3, 24))
-    _run(engine, [prompt], 1)
-    with torch.no_grad():
-        want = reference(torch.tensor([prompt])).logits[0, -1]
-    got = captured[0][-1]
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_hugging_face_modules_honour_the_window_too(
-    files: dict[str, tuple[Path, Path]], family: str
-) -> None:
-    """model_impl hf: the family's own modules over the paged pool, which masks their windows."""
-    engine = _engine(files, family, model=str(files[family][1]), model_impl="hf")
-    assert not engine.runner.compact
+    """From a Hugging Face checkpoint, over a step that crosses the windows, against the module
+    itself: the compact decoder (dense, no kernels: the GPU and safetensors path), and the family's
+    own modules over the paged pool, which masks their windows (model_impl hf)."""
+    engine = _engine(files, family, model=str(files[family][1]), quantization="none", model_impl=impl)
+    assert engine.runner.compact == (impl == "compact")
+    if impl == "compact":
+        assert isinstance(engine.runner.model, CompactCausalLM)
     reference = AutoModelForCausalLM.from_pretrained(
         files[family][1], dtype=torch.float32, attn_implementation="sdpa"
     )

@@ -20,7 +20,7 @@ from specgate.engine.models.quantized import GGUFEmbedding, GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
-from tests.engine.gguf_fixture import GREEDY, write_gguf
+from tests.engine.gguf_fixture import GREEDY, MIXED, write_gguf
 from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference
 from tests.engine.gguf_fixture import gguf_engine as _engine
 from tests.engine.gguf_fixture import quantize_inputs as _quantize_inputs
@@ -30,19 +30,6 @@ from tests.engine.gguf_fixture import step_logits as _step_logits
 pytestmark = pytest.mark.skipif(
     not extension.load(), reason=f"GGUF kernels unavailable: {extension.unavailable_reason()}"
 )
-
-# Every kind of block the kernels read, and a K-quant on the tied or untied head.
-MIXED = {
-    "attn_q.weight": T.Q4_K,
-    "attn_k.weight": T.Q5_0,
-    "attn_v.weight": T.Q6_K,
-    "attn_output.weight": T.Q4_1,
-    "ffn_gate.weight": T.Q5_K,
-    "ffn_up.weight": T.Q4_0,
-    "ffn_down.weight": T.Q6_K,
-    "output.weight": T.Q8_0,
-    "token_embd.weight": T.Q5_1,
-}
 
 
 def _gguf_model(
