@@ -63,8 +63,8 @@ SUMMARY = "Responses"
 OPERATION_ID = "responses_v1_responses_post"
 router = APIRouter()
 
-# pydantic's names for the member of a tagged union it tried (`input.0.message.content`): the client
-# named none of them.
+# pydantic's names for the member of a tagged union it tried (`input.0.message.content`,
+# `text.format.json_schema.strict`): the client named none of them.
 _TAGS = frozenset(
     {
         "message",
@@ -98,7 +98,11 @@ def _clean(param: str | None) -> str | None:
     if not param:
         return param
     parts = param.split(".")
-    keep = [p for i, p in enumerate(parts) if not (p in _TAGS and i and _INDEX.match(parts[i - 1]))]
+    keep = [
+        p
+        for i, p in enumerate(parts)
+        if not (p in _TAGS and i and (_INDEX.match(parts[i - 1]) or parts[i - 1] == "format"))
+    ]
     return ".".join(keep)
 
 

@@ -398,6 +398,11 @@ def test_previous_response_continues_the_conversation(client: openai.OpenAI, mod
     [
         ({"frobnicate": 1}, "frobnicate", 400),
         ({"text": {"verbosity": "low"}}, "text.verbosity", 400),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "bogus": 1}}},
+            "text.format.bogus",
+            400,
+        ),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort", 400),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", 400),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", 400),
