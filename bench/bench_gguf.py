@@ -20,6 +20,13 @@ token prompt: one sequence verifying k tokens (a speculative step), and b sequen
 token each (a batch), repetitions interleaved; the median ms and its ratio to one token. This is
 the cost the goodput controller learns online and trades drafted tokens against.
 
+With --roof, `steps` also states the arithmetic: the file's multiply-adds per token (every 2-D
+weight but the embedding table, which is the LM head only when the file has no `output.weight`), the
+rate of a pass of n tokens in GMAC/s, and the machine's int8 roof: chains of independent VNNI dot
+products (vpdpbusd on 512-bit registers; vpmaddubsw + vpmaddwd on AVX2), compiled here with the
+system compiler and run on every thread at once. A verification pass cannot cost less than its
+multiply-adds at that roof, nor less than one read of the weights.
+
 `regime`: where speculation stops paying, measured and as the routing policy computes it. At each
 concurrency B, B greedy requests of the copy-heavy --categories decode together, plain and with
 --method (as served, the goodput controller; and a static chain of --k drafts), repetitions
@@ -54,8 +61,8 @@ from specgate.engine.engine import Engine
 from specgate.engine.loader import default_model_source
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.step_cost import StepCost, expected_accepted
 from specgate.gateway.backends.embedded.chat_template import render_chat
-from specgate.policies.step_cost import StepCost, expected_accepted
 
 PROMPT = "Write a Python function that parses a CSV file and returns a list of dicts."
 SPEC_CATEGORIES = "code,summarization,rag,tool_call,open_chat,translation"
@@ -177,6 +184,86 @@ def spec(args: argparse.Namespace) -> int:
 STEP_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 
 
+ROOF_C = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#define N 20000000L
+#ifdef __AVX512VNNI__
+#define V __m512i
+#define SET(x) _mm512_set1_epi8(x)
+#define DP(a, b, c) _mm512_dpbusd_epi32(a, b, c)
+#define MACS 64
+#else
+#define V __m256i
+#define SET(x) _mm256_set1_epi8(x)
+#define DP(a, b, c) _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(b, c), _mm256_set1_epi16(1)))
+#define MACS 32
+#endif
+int main(void) {
+  double best = 0;
+  for (int round = 0; round < 3; round++) {
+    double t0 = omp_get_wtime();
+    long sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+      V a0 = SET(0), a1 = SET(1), a2 = SET(2), a3 = SET(3);
+      V a4 = SET(4), a5 = SET(5), a6 = SET(6), a7 = SET(7);
+      V b = SET(3), c = SET(5);
+      for (long n = 0; n < N; n++) {
+        __asm__ volatile("" : "+x"(b));
+        a0 = DP(a0, b, c); a1 = DP(a1, b, c); a2 = DP(a2, b, c); a3 = DP(a3, b, c);
+        a4 = DP(a4, b, c); a5 = DP(a5, b, c); a6 = DP(a6, b, c); a7 = DP(a7, b, c);
+      }
+      int out[16];
+      V s = a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
+      __builtin_memcpy(out, &s, sizeof(int) * 4);
+      sink += out[0];
+    }
+    double dt = omp_get_wtime() - t0, gmacs = (double)omp_get_max_threads() * N * 8 * MACS / dt / 1e9;
+    if (gmacs > best) best = gmacs;
+    if (sink == 42) printf("!");
+  }
+  printf("%.1f\n", best);
+  return 0;
+}
+"""
+
+
+def int8_roof(threads: int) -> float | None:
+    """GMAC/s of int8 dot products on `threads` threads (None: no compiler, or no AVX2)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "roof.c"), os.path.join(tmp, "roof")
+        with open(src, "w") as f:
+            f.write(ROOF_C)
+        built = subprocess.run(
+            ["cc", "-O3", "-march=native", "-fopenmp", src, "-o", exe], capture_output=True
+        )
+        if built.returncode != 0:
+            return None
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        out = subprocess.run([exe], capture_output=True, text=True, env=env, timeout=120)
+        return float(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def macs_per_token(path: str) -> int:
+    """Multiply-adds of one token's pass through every matrix of the file (the LM head included)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: [int(n) for n in t.shape] for t in GGUFReader(path).tensors}
+    total = 0
+    for name, shape in tensors.items():
+        if len(shape) != 2 or not name.endswith(".weight"):
+            continue
+        if name == "token_embd.weight" and "output.weight" in tensors:
+            continue  # a lookup table, not a product
+        total += shape[0] * shape[1]
+    return total
+
+
 def steps(args: argparse.Namespace) -> int:
     from specgate.engine.batch_layout import ForwardItem
     from specgate.engine.model_runner import ModelRunner
@@ -216,15 +303,26 @@ def steps(args: argparse.Namespace) -> int:
                 if rep:  # the first round warms up
                     times[(name, n)].append(dt)
     name = os.path.basename(gguf_path(args.model))
+    macs = macs_per_token(gguf_path(args.model)) if args.roof else 0
     print(f"{name}: forward pass after a {ctx}-token context, {torch.get_num_threads()} threads, median ms")
-    print("| new tokens | " + " | ".join(f"{k}: ms (x one token)" for k in kinds) + " |")
-    print("|---" * (len(kinds) + 1) + "|")
+    head = [f"{k}: ms (x one token)" for k in kinds] + (["verify k: GMAC/s"] if macs else [])
+    print("| new tokens | " + " | ".join(head) + " |")
+    print("|---" * (len(head) + 1) + "|")
     for n in sizes:
         cells = []
         for k in kinds:
             t, one = statistics.median(times[(k, n)]), statistics.median(times[(k, 1)])
             cells.append(f"{t * 1000:.1f} ({t / one:.2f}x)")
+        if macs:
+            cells.append(f"{n * macs / statistics.median(times[('verify k', n)]) / 1e9:.0f}")
         print(f"| {n} | " + " | ".join(cells) + " |")
+    if macs:
+        roof = int8_roof(torch.get_num_threads())
+        floor = f"{8 * macs / roof / 1e6:.1f} ms" if roof else "unknown"
+        print(
+            f"{macs / 1e9:.2f} GMAC per token; int8 roof on {torch.get_num_threads()} threads: "
+            f"{roof if roof is not None else 'not measured'} GMAC/s; 8 tokens' products at the roof: {floor}"
+        )
     return 0
 
 
@@ -362,6 +460,7 @@ def main() -> int:
     t.add_argument("--context", type=int, default=300)
     t.add_argument("--max-size", type=int, default=64)
     t.add_argument("--reps", type=int, default=5)
+    t.add_argument("--roof", action="store_true", help="also GMAC/s per pass and the machine's int8 roof")
     r = sub.add_parser("regime", help="where speculation stops paying: measured, and the policy's")
     r.add_argument("--model", default=None)
     r.add_argument("--categories", default="code,summarization,rag")

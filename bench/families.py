@@ -22,33 +22,37 @@ and then `llama-server -t 2 -np 1`, both up at once on loopback ports, and sends
 each in turn (request by request, the order rotating), streaming, greedy, every answer exactly
 --max-tokens long (ignore_eos on both). With 16 in flight, llama-server is restarted with `-np 16`
 and the arms run one after the other in A-B-B-A order. Neither side reuses cached prompts
-(llama-server: cache_prompt false; specgate: a cache_salt per phase).
+(llama-server: cache_prompt false; specgate: a cache_salt per request).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
 import re
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from platformdirs import user_cache_dir
 
+from specgate.bench.serve import llama_server, peer_server
+from specgate.bench.serve.peer_server import PEER
+
+if TYPE_CHECKING:  # the serving modules import the openai client: not while the CLI builds its parser
+    from specgate.bench.serve.interleaved import Arm
+
 CACHE = Path(user_cache_dir("specgate"))  # ~/.cache/specgate, as bench/models.py's
 FILES_DIR = CACHE / "bench-families"
-LLAMA_BIN = CACHE / "llama-cpp-11434" / "build" / "bin"
+LLAMA_BIN = llama_server.LLAMA_BIN
 QUANT = "Q4_K_M"
 LLAMA_ARM, SPECGATE_ARM = "llama-server", "specgate"
 # Token types as gguf writes them (gguf.TokenType).
@@ -745,18 +749,12 @@ def hf_config_report(fam: Family, path: Path) -> tuple[dict[str, Any], list[str]
 
 
 def llama_server_cmd(args: argparse.Namespace, path: Path, port: int, slots: int, ctx: int) -> list[str]:
-    return [
-        str(Path(args.llama_bin).expanduser() / "llama-server"),
-        *("-m", str(path), "-t", str(args.threads), "-tb", str(args.threads)),
-        *("-np", str(slots), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)),
-        *("--no-webui", "--alias", path.stem),
-    ]
+    exe = Path(args.llama_bin).expanduser() / "llama-server"
+    return llama_server.command(exe, path, port, args.threads, slots, ctx)
 
 
 def check(args: argparse.Namespace) -> int:
     import httpx
-
-    from specgate.bench.serve import peer_server
 
     directory = Path(args.dir).expanduser()
     failed = 0
@@ -793,15 +791,6 @@ def check(args: argparse.Namespace) -> int:
 # Serving, side by side
 
 
-@dataclass(slots=True)
-class Arm:
-    name: str
-    base_url: str
-    model: str
-    extra: dict[str, Any]
-    client: Any = None
-
-
 def serve(args: argparse.Namespace) -> int:
     directory = Path(args.dir).expanduser()
     out = Path(args.out).expanduser() / time.strftime("%Y%m%d-%H%M%S")
@@ -827,30 +816,27 @@ def serve(args: argparse.Namespace) -> int:
 def _serve_family(
     args: argparse.Namespace, name: str, path: Path, out: Path, points: list[int]
 ) -> dict[str, Any]:
-    from specgate.bench.serve import peer_server
+    from specgate.bench.serve import interleaved
+    from specgate.bench.serve.interleaved import Arm
+    from specgate.bench.serve.runner import PLAIN
 
     out.mkdir(parents=True, exist_ok=True)
     row: dict[str, Any] = {"family": name, "file": str(path)}
     sg_port = peer_server.free_port()
     sg_log = out / "specgate.log"
-    sg_cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "-v", "serve", "--model", str(path)]
-    sg_cmd += ["--port", str(sg_port), "--threads", str(args.threads), *args.specgate_arg]
+    options = {"model": path, "threads": args.threads}
+    sg_cmd = peer_server.gateway_command(sg_port, options, args.specgate_arg, verbose=True)
     env = {**os.environ, "SPECGATE_DATA_DIR": str(out / "gateway-data")}
     deadline = time.monotonic() + args.family_timeout
-    with contextlib.ExitStack() as stack:
-        t0 = time.monotonic()
-        stack.enter_context(_env(env))  # the launcher passes this process's environment on
-        stack.enter_context(
-            peer_server.running(
-                sg_cmd, sg_log, f"http://127.0.0.1:{sg_port}/readyz", timeout=args.ready_timeout
-            )
-        )
+    t0 = time.monotonic()
+    sg_url = f"http://127.0.0.1:{sg_port}"
+    with peer_server.running(sg_cmd, sg_log, f"{sg_url}/readyz", timeout=args.ready_timeout, env=env):
         row["specgate_ready_s"] = time.monotonic() - t0
         row["specgate_path"] = PATH_LINE.findall(sg_log.read_text(errors="replace"))
         print(
             f"{name}: specgate ready in {row['specgate_ready_s']:.1f} s: {row['specgate_path']}", flush=True
         )
-        specgate = Arm(SPECGATE_ARM, f"http://127.0.0.1:{sg_port}", "", {"ignore_eos": True})
+        specgate = Arm(SPECGATE_ARM, sg_url, PLAIN, extra={"ignore_eos": True})
         reqs = _requests(args)
         for point in points:
             if time.monotonic() > deadline:
@@ -858,30 +844,18 @@ def _serve_family(
                 continue
             ll_port = peer_server.free_port()
             slots = max(1, point)
-            cmd = llama_server_cmd(args, path, ll_port, slots, max(4096, 1024 * slots))
+            cmd = llama_server_cmd(args, path, ll_port, slots, llama_server.ctx_size(slots))
             ll_log = out / f"llama-server-np{slots}.log"
-            with peer_server.running(cmd, ll_log, f"http://127.0.0.1:{ll_port}/health", timeout=300):
-                llama = Arm(
-                    LLAMA_ARM,
-                    f"http://127.0.0.1:{ll_port}",
-                    path.stem,
-                    {"ignore_eos": True, "cache_prompt": False},
-                )
-                result = asyncio.run(_measure_point(args, [llama, specgate], reqs, point, deadline))
+            ll_url = f"http://127.0.0.1:{ll_port}"
+            with peer_server.running(cmd, ll_log, f"{ll_url}/health", timeout=300):
+                extra = {"ignore_eos": True, "cache_prompt": False}
+                llama = Arm(LLAMA_ARM, ll_url, PEER, path.stem, extra)
+                arms = [llama, specgate]
+                measure = partial(_measure_arms, args, arms, reqs, point, deadline)
+                result = asyncio.run(interleaved.at_point(arms, measure))
             row[f"c{point}"] = result
             print(f"{name}: {point} in flight: {_summary(result)}", flush=True)
     return row
-
-
-@contextlib.contextmanager
-def _env(env: dict[str, str]) -> Iterator[None]:
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
 
 
 def _requests(args: argparse.Namespace) -> list[Any]:
@@ -892,120 +866,26 @@ def _requests(args: argparse.Namespace) -> list[Any]:
     return [r for r in pool if r.approx_tokens <= args.max_prompt_tokens]
 
 
-async def _measure_point(
-    args: argparse.Namespace, arms: list[Arm], reqs: list[Any], point: int, deadline: float
-) -> dict[str, Any]:
-    """One load point, each arm's client open only meanwhile (the event loop closes after it)."""
-    import openai
-
-    from specgate.bench.serve.runner import warm_up
-
-    try:
-        for arm in arms:
-            # One retry: llama-server drops a keep-alive connection idle for a few seconds (while the
-            # other arm answers), and the next request on it fails before it is sent.
-            arm.client = openai.AsyncOpenAI(
-                base_url=f"{arm.base_url}/v1", api_key="none", max_retries=1, timeout=1800
-            )
-            if not arm.model:
-                arm.model = (await arm.client.models.list()).data[0].id
-            await warm_up(arm.client, arm.model, _runner_arm(arm), arm.extra)
-        load = os.getloadavg()[0]
-        out = await _measure_arms(args, arms, reqs, point, deadline)
-        # Other work on the machine shows here: the 1-minute load average before and after.
-        out["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-        return out
-    finally:
-        for arm in arms:
-            if arm.client is not None:
-                await arm.client.close()
-                arm.client = None
-
-
 async def _measure_arms(
     args: argparse.Namespace, arms: list[Arm], reqs: list[Any], point: int, deadline: float
 ) -> dict[str, Any]:
-    from specgate.bench.serve.metrics import percentile
-    from specgate.bench.serve.runner import closed_loop, send
+    from specgate.bench.serve import interleaved
 
-    run_id = uuid.uuid4().hex[:8]
-
-    def one(arm: Arm, i: int, *, phase: str) -> Any:
-        # specgate: a cache salt per phase, so no phase reuses another's prompts
-        rid = f"{run_id}-{arm.name}-{phase}-{i}"
-        return send(
-            arm.client,
-            arm.model,
-            reqs[i % len(reqs)],
-            _runner_arm(arm),
-            rid,
-            0.0,
-            arm.extra,
-            f"{run_id}-{phase}",
-        )
-
+    send = interleaved.Sender(uuid.uuid4().hex[:8], reqs)
     out: dict[str, Any] = {"in_flight": point}
     if point == 1:
-        results: dict[str, list[Any]] = {a.name: [] for a in arms}
-        for i in range(args.requests):
-            if time.monotonic() > deadline:
-                break
-            for arm in arms if i % 2 == 0 else arms[::-1]:  # the order rotates request by request
-                results[arm.name].append(await one(arm, i, phase="c1"))
-        for name, rs in results.items():
-            ok = [r for r in rs if r.ok]
-            tpots = [r.tpot for r in ok if r.tpot is not None]
-            out[name] = {
-                "requests": len(rs),
-                "failed": len(rs) - len(ok),
-                "errors": sorted({r.error for r in rs if r.error})[:3],
-                "tpot_ms": [round(t * 1e3, 2) for t in tpots],
-                "tpot_p50_ms": _ms(percentile(tpots, 50)),
-                "ttft_p50_ms": _ms(percentile([r.ttft for r in ok if r.ttft is not None], 50)),
-                "output_tokens": [r.output_tokens for r in ok],
-            }
+        results = await interleaved.one_in_flight(arms, args.requests, send, deadline)
+        out.update({name: interleaved.arm_summary(rs) for name, rs in results.items()})
         a, b = out[LLAMA_ARM]["tpot_p50_ms"], out[SPECGATE_ARM]["tpot_p50_ms"]
         out["tpot_ratio_llama_over_specgate"] = a / b if a and b else None
         return out
     n = args.requests_in_flight or 2 * point
-    phases: list[dict[str, Any]] = []
-    for k, arm in enumerate([arms[0], arms[1], arms[1], arms[0]]):  # A-B-B-A
-        if time.monotonic() > deadline:
-            break
-        t0 = time.perf_counter()
-        rs = await closed_loop(partial(one, arm, phase=f"c{point}-{k}"), n, point, lambda: None)
-        dt = time.perf_counter() - t0
-        ok = [r for r in rs if r.ok]
-        tokens = sum(r.output_tokens for r in ok)
-        phases.append(
-            {
-                "arm": arm.name,
-                "requests": len(rs),
-                "failed": len(rs) - len(ok),
-                "seconds": dt,
-                "tokens": tokens,
-                "tok_s": tokens / dt,
-            }
-        )
-    out["phases"] = phases
-    for arm in arms:
-        rates = [p["tok_s"] for p in phases if p["arm"] == arm.name]
-        out[arm.name] = {"tok_s": rates, "tok_s_mean": sum(rates) / len(rates) if rates else None}
+    phases = await interleaved.phases(arms, n, point, send, deadline)
+    out["phases"] = [p.summary() for p in phases]
+    out.update(interleaved.phase_means(phases, [a.name for a in arms]))
     a, b = out[SPECGATE_ARM]["tok_s_mean"], out[LLAMA_ARM]["tok_s_mean"]
     out["tok_s_ratio_specgate_over_llama"] = a / b if a and b else None
     return out
-
-
-def _runner_arm(arm: Arm) -> str:
-    """The arm's name as bench/serve/runner.py knows it: its peer (no specgate headers or fields),
-    or "plain" (speculation off)."""
-    from specgate.bench.serve.peer_server import PEER
-
-    return PEER if arm.name == LLAMA_ARM else "plain"
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
 
 
 def _summary(r: dict[str, Any]) -> str:

@@ -66,6 +66,11 @@ class _Step:
     def num_tokens(self) -> int:
         return sum(len(it.token_ids) for it in self.items)
 
+    @property
+    def context(self) -> float:
+        """Keys each new token of the pass attends to, on average (the cost model's context)."""
+        return mean_context((it.start, len(it.token_ids)) for it in self.items)
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -383,6 +388,7 @@ class Engine:
                 seq.stats.num_prefill_chunks += 1
         done = time.monotonic()
         timing = (step.num_tokens, (time.perf_counter() - step.started) * 1e3)  # for telemetry
+        pass_cost = (step.context, sum(len(d.token_ids) for d in step.drafts))
         for i, block in blocks:
             seq = step.batch[i].seq
             if seq.is_finished:
@@ -394,14 +400,21 @@ class Engine:
             proposer = step.feeds[i]
             if step.hidden is not None and proposer is not None:
                 handoff = (proposer, step.items[i].start, step.hidden[i])
-            args = (step.drafts[i], step.logits[block], processed[block], rows[block], done, timing, handoff)
-            self._guard(seq, "sampling", self._emit, seq, *args)
+            args = (
+                step.drafts[i],
+                step.logits[block],
+                processed[block],
+                rows[block],
+                done,
+                timing,
+                pass_cost,
+            )
+            self._guard(seq, "sampling", self._emit, seq, *args, handoff)
 
     def _postprocess(self, step: _Step, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's cost for the controllers, and the outputs of sequences that moved."""
         # Sampling and verification scale with the verified tokens too, so they count as step cost.
-        context = mean_context((it.start, len(it.token_ids)) for it in step.items)
-        self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, context)
+        self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, step.context)
         for s in step.batch:
             seq = s.seq
             if not seq.is_finished:
@@ -482,7 +495,8 @@ class Engine:
         processed: torch.Tensor,  # [k + 1, vocab]
         rows: list[SamplingRow],
         now: float,
-        step: tuple[int, float],
+        step: tuple[int, float],  # the pass's tokens and milliseconds
+        pass_cost: tuple[float, int],  # the pass's mean keys per new token, and its drafted tokens
         feed: tuple[Proposer, int, torch.Tensor] | None = None,  # proposer, first position, [n, hidden]
     ) -> None:
         draft, parents = proposal.token_ids, proposal.parents
@@ -518,6 +532,8 @@ class Engine:
         forced = proposal.num_forced
         seq.stats.num_forced_draft_tokens += forced
         if seq.spec is not None and seq.stats.spec is not None and draft:
+            cost = self._draft_cost(seq.stats.spec.method, len(draft), parents, step, pass_cost)
+            seq.spec.settle(accepted, cost)
             # The controller learns from the proposer's own tokens, past the grammar's forced ones.
             if parents is None:
                 if len(draft) > forced and accepted >= forced:
@@ -528,6 +544,8 @@ class Engine:
                     seq.spec.observe_walk(tree_proposal.walk(parents, path, proposal.scores))
                 depth = max(draft_tree.depths(parents))
                 seq.stats.spec.record(len(draft), accepted, *step, depth=depth)
+        elif seq.spec is not None and seq.stats.spec is not None:
+            seq.spec.credit()
         num_before = seq.num_tokens
         for token, lp in zip(tokens, lps, strict=True):
             self._append_token(seq, token, lp, now)
@@ -544,6 +562,28 @@ class Engine:
             self.proposer(seq.stats.spec.method).commit(
                 seq.seq_id, seq.token_ids, seq.num_tokens - num_before
             )
+
+    def _draft_cost(
+        self,
+        method: str,
+        drafted: int,
+        parents: list[int] | None,
+        step: tuple[int, float],
+        pass_cost: tuple[float, int],
+    ) -> float:
+        """What a request's `drafted` tokens cost it, in passes of the size without any drafts (the
+        steps it waited for its drafts): the pass's measured time over the curve's price of the pass
+        without its drafts, its share of that by drafted tokens, and its drafting time."""
+        context, pass_drafted = pass_cost
+        num_tokens, ms = step
+        cost = self.cost_model
+        base = cost.forward_time(max(1, num_tokens - pass_drafted), context)
+        share = drafted / max(drafted, pass_drafted)
+        steps = 1
+        if self.proposer(method).autoregressive:
+            steps = max(draft_tree.depths(parents)) if parents is not None else drafted
+        extra = max(0.0, ms / 1e3 - base) * share + steps * cost.draft_time(method)
+        return extra / base
 
     def _keep_path(self, seq: Sequence, path: list[int]) -> None:
         """A verified tree's accepted nodes hold the positions after the root: where a node was verified

@@ -1,15 +1,18 @@
 """Hard limits every policy obeys: healthy backends only, safe methods for structured output, no
-speculation where the batch makes verification cost more than it saves: past the crossover that
-the measured step cost says (step_cost.py) for the arm's class and method, or, before anything is
+speculation where verification costs more than it saves: where, by the measured step cost
+(engine/step_cost.py), no draft length pays at the batch this request joins and the acceptance
+measured for its class, method and temperature band (priors.py), or, before a step cost is
 measured, past the rules' `max_batch_for_spec`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from specgate.engine.step_cost import StepCost
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
-from specgate.policies.priors import DEFAULT_PRIOR
+from specgate.policies.priors import Prior, lookup
 from specgate.policies.rules import RuleConfig
-from specgate.policies.step_cost import StepCost
 
 
 def large_batch(ctx: DecisionContext, rules: RuleConfig) -> bool:
@@ -21,11 +24,17 @@ def k_bound(ctx: DecisionContext, rules: RuleConfig) -> int:
     return rules.rule_for(ctx.label, ctx.confidence).k_range[1]
 
 
+def prior_for(ctx: DecisionContext, priors: Mapping[str, float], arm: Arm) -> Prior:
+    """The acceptance prior of this request's class, the arm's method and the request's temperature."""
+    return lookup(priors, ctx.label, arm.method, ctx.temperature)
+
+
 def best_k(
-    ctx: DecisionContext, rules: RuleConfig, cost: StepCost, priors: dict[str, float], arm: Arm
+    ctx: DecisionContext, rules: RuleConfig, cost: StepCost, priors: Mapping[str, float], arm: Arm
 ) -> int:
-    """The draft length that pays most for this arm once this request joins the batch (0: none pays)."""
-    p = priors.get(f"{ctx.label}:{arm.method}", DEFAULT_PRIOR)
+    """The draft length that pays most for this arm once this request joins the batch (0: none pays),
+    at the acceptance measured for the request's class, the arm's method and the request's band."""
+    p = prior_for(ctx, priors, arm).value
     return cost.best_k(ctx.load.batch + 1, p, k_bound(ctx, rules))
 
 
@@ -33,7 +42,7 @@ def safe_arms(
     ctx: DecisionContext,
     rules: RuleConfig,
     cost: StepCost | None = None,
-    priors: dict[str, float] | None = None,
+    priors: Mapping[str, float] | None = None,
     crossovers: dict[str, float] | None = None,
 ) -> tuple[list[Arm], list[str]]:
     """The arms this request may take, in preference order, and why others were dropped.
@@ -62,20 +71,57 @@ def safe_arms(
     arms = _external_crossover(ctx, arms, crossovers or {}, why)
     embedded = [a for a in arms if not a.external]
     if cost is not None:
-        paying = [a for a in embedded if not a.speculative or best_k(ctx, rules, cost, priors or {}, a) > 0]
-        dropped = [a.key for a in embedded if a not in paying]
-        if dropped and paying:
-            if any(a.speculative for a in paying):
-                why.append(f"batch {ctx.load.batch}: {', '.join(dropped)} past the measured crossover")
-            else:
-                why.append(f"batch {ctx.load.batch} past the measured crossover: speculation off")
-            arms = [a for a in arms if a.external or a in paying]
+        arms = _measured_cost(ctx, rules, cost, priors or {}, arms, why)
     elif large_batch(ctx, rules) and any(a.speculative for a in embedded):
         kept = [a for a in embedded if not a.speculative]
         if kept:
             why.append(f"batch {ctx.load.batch} >= {rules.max_batch_for_spec}: speculation off")
             arms = [a for a in arms if a.external or a in kept]
     return arms, why
+
+
+def _measured_cost(
+    ctx: DecisionContext,
+    rules: RuleConfig,
+    cost: StepCost,
+    priors: Mapping[str, float],
+    arms: list[Arm],
+    why: list[str],
+) -> list[Arm]:
+    """Without the engine's speculative arms for which no draft length pays, as long as one that
+    pays (or plain decoding) remains. Why is told apart: an arm whose acceptance measured at this
+    request's temperature pays at no batch at all is off for the temperature, and the reason says
+    so without the load's mark (": speculation off", which the dashboard counts as load); any
+    other is past the crossover of the batch."""
+    embedded = [a for a in arms if not a.external]
+    paying = [a for a in embedded if not a.speculative or best_k(ctx, rules, cost, priors, a) > 0]
+    dropped = [a for a in embedded if a not in paying]
+    if not dropped or not paying:
+        return arms
+    spec_left = any(a.speculative for a in paying)
+    by_temperature: dict[Arm, Prior] = {}
+    for a in dropped:
+        prior = prior_for(ctx, priors, a)
+        if prior.measured and cost.best_k(1, prior.value, k_bound(ctx, rules)) == 0:
+            by_temperature[a] = prior
+    by_batch = [a.key for a in dropped if a not in by_temperature]
+    if by_temperature:
+        first = next(iter(by_temperature.values()))
+        if len(by_temperature) == 1:
+            measured = f"{first.value:.2f}"
+        else:
+            measured = ", ".join(f"{a.key} {p.value:.2f}" for a, p in by_temperature.items())
+        what = ", ".join(a.key for a in by_temperature) + " dropped" if spec_left or by_batch else "off"
+        why.append(
+            f"temperature {ctx.temperature:g} (band {first.band.label}): measured acceptance {measured} "
+            f"pays no K at batch {ctx.load.batch + 1}: {what}"
+        )
+    if by_batch:
+        if spec_left:
+            why.append(f"batch {ctx.load.batch}: {', '.join(by_batch)} past the measured crossover")
+        else:
+            why.append(f"batch {ctx.load.batch} past the measured crossover: speculation off")
+    return [a for a in arms if a.external or a in paying]
 
 
 def _external_crossover(

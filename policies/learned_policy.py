@@ -1,15 +1,18 @@
 """The learned policy: the arm with the best predicted goodput, chosen by Thompson sampling over the
 per-arm posteriors, within the guards and the exploration cap. It leaves the rules' arm only for an
 arm that leads it by `deviation_z` standard errors, and falls back to the rules where no arm is
-modelled."""
+modelled. The guards and the K it hands the engine read the acceptance measured for the request's
+class, method and temperature band (priors.py), as the rules' do."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 
 import numpy as np
 
+from specgate.engine.step_cost import StepCost
 from specgate.policies.arms import Arm
 from specgate.policies.decision import Decision, DecisionContext, Slo
 from specgate.policies.exploration import ExplorationBudget
@@ -17,7 +20,6 @@ from specgate.policies.goodput import GoodputModel, Prediction
 from specgate.policies.guards import safe_arms
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
-from specgate.policies.step_cost import StepCost
 
 
 class LearnedPolicy:
@@ -27,7 +29,7 @@ class LearnedPolicy:
         self,
         rules: RuleConfig,
         model: GoodputModel,
-        priors: dict[str, float] | None = None,
+        priors: Mapping[str, float] | None = None,
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
         cost: StepCost | None = None,

@@ -4,13 +4,14 @@ exploration so that the telemetry covers the arms the rules do not pick."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
+from specgate.engine.step_cost import StepCost
 from specgate.policies.arms import OFF, Arm
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
-from specgate.policies.guards import best_k, safe_arms
+from specgate.policies.guards import best_k, prior_for, safe_arms
 from specgate.policies.rules import RuleConfig
-from specgate.policies.step_cost import StepCost
 
 
 class RulePolicy:
@@ -19,14 +20,14 @@ class RulePolicy:
     def __init__(
         self,
         rules: RuleConfig,
-        priors: dict[str, float] | None = None,
+        priors: Mapping[str, float] | None = None,
         budget: ExplorationBudget | None = None,
         seed: int | None = None,
         cost: StepCost | None = None,
         crossovers: dict[str, float] | None = None,
     ) -> None:
         self.rules = rules
-        self.priors = priors or {}
+        self.priors: Mapping[str, float] = priors or {}
         self.cost = cost  # measured step cost: where speculation stops paying (None: the constant)
         # Per external speculative arm, the batch from which it no longer pays (measured).
         self.crossovers = crossovers or {}
@@ -59,8 +60,7 @@ class RulePolicy:
         name = ctx.label if ctx.confidence >= self.rules.min_confidence else "uncertain"
         method = rule.method
         if ctx.label == "open_chat" and ctx.temperature >= self.rules.high_temperature and method != OFF:
-            why.append(f"temperature {ctx.temperature:g} >= {self.rules.high_temperature:g}: off")
-            method = OFF
+            method = self._high_temperature(ctx, Arm(backend, method), arms, why)
         if arms[0].external:
             # External pools: the one of the class's kind (speculative or not) first in the
             # configured order, else the first; the server drafts as it does.
@@ -78,8 +78,38 @@ class RulePolicy:
             why.append(f"{wanted.key} not allowed here: {fallback.method}")
         return fallback
 
+    def _high_temperature(self, ctx: DecisionContext, wanted: Arm, arms: list[Arm], why: list[str]) -> str:
+        """The method for open chat at or above `high_temperature`. Where the acceptance of the
+        request's class, method and temperature band is measured, and the measured step cost can
+        weigh it, the measurement decides and the threshold does not apply; otherwise the
+        threshold turns speculation off, as on a fresh install. An external pool's step cost is
+        never measured: the threshold holds for external pools."""
+        t, limit = ctx.temperature, self.rules.high_temperature
+        prior = prior_for(ctx, self.priors, wanted)
+        external = arms[0].external
+        if prior.measured and self.cost is not None and not external:
+            k = best_k(ctx, self.rules, self.cost, self.priors, wanted)
+            verdict = f"pays K {k}" if k else "pays no K"
+            # An arm for which no K pays is gone already where plain decoding remains, and
+            # `safe_arms` said why; one still here has nothing plain beside it.
+            if k or wanted in arms:
+                why.append(
+                    f"temperature {t:g} (band {prior.band.label}): measured acceptance {prior.value:.2f} "
+                    f"{verdict} at batch {ctx.load.batch + 1}: {'on' if k else 'off'}"
+                )
+            return wanted.method if k else OFF
+        if external:
+            unmeasured = "an external pool's step cost is not measured"
+        elif prior.measured:
+            unmeasured = f"measured acceptance {prior.value:.2f} but no step cost to weigh it"
+        else:
+            unmeasured = "nothing measured at this temperature"
+        why.append(f"temperature {t:g} >= {limit:g}, {unmeasured}: off")
+        return OFF
+
     def finish(self, ctx: DecisionContext, arm: Arm, reason: str, explored: bool) -> Decision:
         rule = self.rules.rule_for(ctx.label, ctx.confidence)
+        prior = prior_for(ctx, self.priors, arm)
         k_min, k_max = rule.k_range
         if not arm.speculative or arm.external:  # an external server sets its own K
             k_min = k_max = 0
@@ -93,6 +123,7 @@ class RulePolicy:
             k_min=k_min,
             k_max=k_max,
             controller=rule.controller,
-            acceptance_prior=self.priors.get(f"{ctx.label}:{arm.method}") if k_max else None,
+            # Measured for the request's band, else its class; the engine's own default otherwise.
+            acceptance_prior=prior.value if k_max and prior.source != "default" else None,
             explored=explored,
         )

@@ -3,7 +3,8 @@
 The defaults encode the published evidence (Spec-Bench prompt lookup: 2.66x on summarization,
 1.86x on RAG, 1.62x on math, 1.60x on MT-bench, 1.19x on QA, 1.06x on translation; every method
 loses under a large batch): speculate on code, tool calls, summarization and RAG; short K on
-reasoning, QA and translation; off for high-temperature open chat; off when the batch is large.
+reasoning, QA and translation; off for high-temperature open chat until acceptance at that
+temperature is measured; off when the batch is large.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ CONTROLLERS = ("goodput", "static", "heuristic")
 @dataclass(slots=True)
 class ClassRule:
     method: str = "ngram"  # a proposer or "off"
-    k_min: int = 1
+    k_min: int = 0
     k_max: int = 8
     controller: str = "goodput"
 
@@ -35,21 +36,24 @@ class ClassRule:
 
     @property
     def k_range(self) -> tuple[int, int]:
-        """(k_min, k_max) a speculative arm gets: a rule of K 0 leaves the engine's own 1-4."""
-        return (self.k_min, self.k_max) if self.k_max > 0 else (1, 4)
+        """(k_min, k_max) a speculative arm gets: a rule of K 0 leaves the engine's own 0-4."""
+        return (self.k_min, self.k_max) if self.k_max > 0 else (0, 4)
 
 
 def default_class_rules() -> dict[str, ClassRule]:
+    # k_min 0: the engine's goodput controller chooses each step's K for the whole batch, 0 where
+    # no draft pays; a floor of 1 made every speculating request draft in every step, which under
+    # load slowed each pass for all of them (16 in flight: 0.94x plain).
     return {
-        "code": ClassRule("ngram", 1, 8),
-        "tool_call": ClassRule("ngram", 1, 8),
-        "summarization": ClassRule("ngram", 1, 8),
-        "rag": ClassRule("ngram", 1, 8),
-        "math_reasoning": ClassRule("ngram", 1, 3),
-        "qa": ClassRule("ngram", 1, 3),
+        "code": ClassRule("ngram", 0, 8),
+        "tool_call": ClassRule("ngram", 0, 8),
+        "summarization": ClassRule("ngram", 0, 8),
+        "rag": ClassRule("ngram", 0, 8),
+        "math_reasoning": ClassRule("ngram", 0, 3),
+        "qa": ClassRule("ngram", 0, 3),
         # Near break-even in Spec-Bench (1.06x), 2.4x on this project's default model: short K.
-        "translation": ClassRule("ngram", 1, 3),
-        "open_chat": ClassRule("ngram", 1, 4),
+        "translation": ClassRule("ngram", 0, 3),
+        "open_chat": ClassRule("ngram", 0, 4),
     }
 
 
@@ -59,7 +63,11 @@ class RuleConfig:
     # Below this classifier confidence a request is routed as `uncertain`, not by its class.
     min_confidence: float = 0.5
     uncertain: ClassRule = field(default_factory=lambda: ClassRule("ngram", 1, 3))
-    # Open chat sampled at or above this temperature does not speculate (acceptance collapses).
+    # The cold-start fallback for sampled open chat: at or above this temperature it does not
+    # speculate while nothing measures its acceptance there. Once the request's class, method and
+    # temperature band has measured acceptance (priors.py) and the step cost is measured, that
+    # decides instead, for every class: speculation is lossless at any temperature, and whether it
+    # pays is a matter of acceptance, not of a fixed number.
     high_temperature: float = 0.9
     # Speculation turns off once running + waiting embedded sequences reach this (0: never).
     max_batch_for_spec: int = 16

@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specgate.engine.step_cost import StepCost
 from specgate.policies.decision import Policy
 from specgate.policies.exploration import ExplorationBudget
 from specgate.policies.goodput import GoodputModel
 from specgate.policies.learned_policy import LearnedPolicy
 from specgate.policies.rule_policy import RulePolicy
 from specgate.policies.rules import RuleConfig
-from specgate.policies.step_cost import StepCost
 
 
 @dataclass(slots=True)

@@ -30,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
         args.rate = args.rate.split(",")[0]
     if args.ignore_eos is None:  # against a peer, every answer is max_tokens long on both sides
         args.ignore_eos = args.peer is not None
+    if args.peer == "llama-server":  # its own run: every server up at once, arms interleaved
+        from specgate.bench.serve import side_by_side
+
+        return side_by_side.run(args, _workload(args)[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     peer = peer_arm.settings(args) if args.peer else None
@@ -72,10 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
 def start_local_gateway(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = peer_server.free_port()
-    cmd = [sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", str(port)]
-    for flag in ("model", "dtype", "threads", "compile"):
-        if getattr(args, flag):
-            cmd += [f"--{flag}", str(getattr(args, flag))]
+    cmd = peer_server.gateway_command(
+        port, {f: getattr(args, f) for f in ("model", "dtype", "threads", "compile")}
+    )
     env = {**os.environ, "SPECGATE_DATA_DIR": str((out / "gateway-data").resolve())}
     log = (out / "specgate.gateway.log").open("wb")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,4 +1,5 @@
-"""Serving metrics as vLLM's `bench serve` reports them, computed from per-request timings.
+"""Serving metrics as vLLM's `bench serve` reports them, computed from per-request timings, and the
+statistics every benchmark here shares (percentile, geometric mean, bootstrap interval).
 
 TTFT: first content token minus send time. TPOT: (E2E - TTFT) / (output tokens - 1). ITL: gaps
 between successive content chunks (a chunk may carry several tokens). Goodput: requests per
@@ -7,7 +8,9 @@ second that met every SLO given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +60,33 @@ def percentile(values: Sequence[float], p: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """exp(mean(log x)): the mean that ratios take (2x and 0.5x average to 1x)."""
+    if not values:
+        return None
+    return math.exp(math.fsum(math.log(v) for v in values) / len(values))
+
+
+def bootstrap_interval(
+    groups: Sequence[Sequence[float]],
+    stat: Callable[[list[list[float]]], float | None],
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """The percentile interval of `stat` over `resamples` resamplings of `groups`, each group drawn
+    with replacement within itself (a stratified bootstrap: a class keeps its number of prompts).
+    Seeded, so a report's intervals are reproducible from its rows."""
+    if not groups or not all(groups):
+        return None
+    rng = random.Random(seed)
+    stats = [stat([rng.choices(g, k=len(g)) for g in groups]) for _ in range(resamples)]
+    drawn = [s for s in stats if s is not None]
+    tail = (1 - level) / 2 * 100
+    low, high = percentile(drawn, tail), percentile(drawn, 100 - tail)
+    return None if low is None or high is None else (low, high)
 
 
 def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str, float | None]:

@@ -1,5 +1,6 @@
 """llama.cpp's own OpenAI-compatible server (llama-cpp-python) on the same GGUF file: the peer that
-`specgate bench serve --peer llama-cpp` measures specgate against.
+`specgate bench serve --peer llama-cpp` measures specgate against; and the processes of every server
+a benchmark starts (`running`, `gateway_command`).
 
 The server runs alone (the gateway is stopped first), is started with the same thread count, and
 is stopped on every way out of the run: normal end, error, Ctrl-C, SIGTERM, and, through the
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,7 @@ def gguf_path(model: str | None) -> Path:
         ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
         if len(ggufs) == 1:
             return ggufs[0]
-    raise ValueError(
-        f"--peer llama-cpp needs a GGUF model: {model!r} is not a .gguf file or a folder with one"
-    )
+    raise ValueError(f"--peer needs a GGUF model: {model!r} is not a .gguf file or a folder with one")
 
 
 def eog_token_ids(gguf: Path) -> list[int]:
@@ -98,6 +97,19 @@ def command(gguf: Path, port: int, threads: int, alias: str, n_ctx: int = 4096) 
     ]
 
 
+def gateway_command(
+    port: int, options: dict[str, Any], extra: Sequence[str] = (), verbose: bool = False
+) -> list[str]:
+    """`specgate serve` on 127.0.0.1:`port` in a process of its own; `options` by name, those
+    without a value left out; `verbose` logs how the model is served (-v)."""
+    cmd = [sys.executable, "-m", "specgate.gateway.cli.main", *(["-v"] if verbose else []), "serve"]
+    cmd += ["--port", str(port)]
+    for name, value in options.items():
+        if value:
+            cmd += [f"--{name}", str(value)]
+    return [*cmd, *extra]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,14 +135,19 @@ def _die_with_parent() -> None:
 
 
 @contextmanager
-def running(cmd: list[str], log: Path, ready_url: str, timeout: float = 300.0) -> Iterator[None]:
-    """The server of `cmd`, ready (GET `ready_url` answers 200) for the body of the `with`."""
+def running(
+    cmd: list[str], log: Path, ready_url: str, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> Iterator[None]:
+    """The server of `cmd`, ready (GET `ready_url` answers 200) for the body of the `with`; `env`
+    replaces this process's environment for it."""
     main = threading.current_thread() is threading.main_thread()  # only it may set handlers
     previous = signal.getsignal(signal.SIGTERM)
     if main:  # SIGTERM's default action skips `finally`; as an exception it stops the server too
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
     try:
         _wait_ready(proc, ready_url, log, timeout)
         yield
@@ -150,11 +167,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the llama.cpp server exited ({proc.returncode}); see {log}")
+            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the llama.cpp server was not ready in {timeout:.0f} s; see {log}")
+    raise RuntimeError(f"the server was not ready in {timeout:.0f} s; see {log}")

@@ -54,6 +54,7 @@ async def send(
     temperature: float,
     extra: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    seed: int | None = None,
 ) -> RequestResult:
     """One streamed request; `extra` adds body fields (ignore_eos, or the peer's logit_bias)."""
     res = RequestResult(request_id, req.category, arm, sent_at=time.perf_counter())
@@ -63,6 +64,8 @@ async def send(
     kwargs: dict[str, Any] = {}
     if req.tools:
         kwargs["tools"] = req.tools
+    if seed is not None:
+        kwargs["seed"] = seed
     create: Any = client.chat.completions.create  # the typed overloads do not take dict messages
     try:
         stream = await create(

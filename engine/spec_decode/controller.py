@@ -6,6 +6,12 @@
   accepted (per-position EWMA seeded from the request's prior); the cost is the measured growth
   of forward time with batch tokens plus the proposer's measured drafting time. In a large batch
   one step already emits many tokens, so small gains stop paying and k falls to 0.
+  Expectations can be wrong, so each request also keeps a ledger of what speculation has actually
+  done for it, in steps: + each accepted draft (a step it did not wait for), - the measured extra
+  time of its drafts in each pass they joined, + PROBE_CREDIT per step it decoded without drafts.
+  Once the ledger is below -LEDGER_FLOOR the request does not draft (its k_min included) until
+  the credit lets it probe again: a request whose drafts fail stops within a few steps, and
+  probes after that cost it at most PROBE_CREDIT of its time; one whose probe pays drafts again.
 - `static`: always `num_speculative_tokens`.
 - `heuristic`: Hugging Face's schedule: +2 after a fully accepted draft, -1 otherwise.
 
@@ -30,6 +36,11 @@ from specgate.engine.spec_decode.cost_model import CostModel
 from specgate.engine.spec_decode.params import SpecParams
 
 ACCEPTANCE_EWMA = 0.15
+# A request may lose this many steps to speculation before it stops drafting (the exploration a
+# fresh request gets), and regains this much per step it decodes without drafts: probes after a
+# stop cost it at most this share of its decoding time.
+LEDGER_FLOOR = 0.5
+PROBE_CREDIT = 0.01
 # Per step without drafts, estimates drift this far back toward the prior, so a request that
 # stopped speculating (low acceptance) probes again later instead of staying off for good.
 ACCEPTANCE_RELAX = 0.01
@@ -52,6 +63,8 @@ class SpecState:
     # against the children's summed scores (EWMAs); their ratio scales a score into a probability.
     score_hits: float = 1.0
     score_mass: float = 1.0
+    # Steps speculation has saved this request so far, less the steps its drafts cost (see above).
+    ledger: float = 0.0
 
     def __post_init__(self) -> None:
         self.alpha = [self.params.acceptance_prior] * self.params.k_max
@@ -108,6 +121,21 @@ class SpecState:
         prior = self.params.acceptance_prior
         self.alpha = [a + ACCEPTANCE_RELAX * (prior - a) for a in self.alpha]
 
+    def settle(self, accepted: int, extra_steps: float) -> None:
+        """A verified draft: `accepted` tokens it saved a step each, against `extra_steps`, the time
+        its drafts added to the pass (and to drafting) over the pass's time without them."""
+        self.ledger += accepted - extra_steps
+
+    def credit(self) -> None:
+        """A step decoded without drafts."""
+        self.ledger += PROBE_CREDIT
+
+    @property
+    def in_credit(self) -> bool:
+        """Whether the goodput controller may draft for this request: speculation has not cost it
+        more than LEDGER_FLOOR steps net of the credit it has earned since."""
+        return self.ledger > -LEDGER_FLOOR
+
 
 @dataclass(slots=True)
 class Candidate:
@@ -159,7 +187,7 @@ def choose_k(
             ks[i] = _clamp(c.state.params.num_speculative_tokens, c)
         elif name == "heuristic":
             ks[i] = _clamp(c.state.k_current, c)
-        else:
+        elif c.state.in_credit:
             ks[i] = _clamp(c.state.params.k_min, c)
             dynamic.append(i)
     total = num_tokens + sum(ks)

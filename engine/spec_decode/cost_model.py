@@ -1,28 +1,26 @@
-"""Online estimates of what a step costs: target forward time by batch shape, draft time per step.
+"""Online estimates of what a step costs: the forward pass by its tokens, and drafting time per step.
 
-A forward pass costs more with more tokens and, for attention, with longer contexts: on CPU,
-verifying 5 tokens at a 1000-token context costs ~27% more than decoding one, at a 100-token
-context ~5%. So samples are kept per (context bucket, token bucket), where the context is the
-mean number of keys each new token attends to.
+The forward pass is priced by the one step-cost curve the routing policy uses too
+(`engine/step_cost.py`), fitted here on this engine's recent passes. A pass costs more with more
+tokens and, for attention, with longer contexts: on CPU, verifying 5 tokens at a 1000-token context
+costs ~27% more than decoding one, at a 100-token context ~5%. So passes are kept per context bucket
+(the mean number of keys each new token attends to), each bucket its own curve over its last
+`WINDOW` passes per size: the median shrugs off warm-up and stalls, the window follows the machine
+as its load changes.
 """
 
 from __future__ import annotations
 
-import bisect
-import statistics
 from collections import deque
 
+from specgate.engine.step_cost import StepCost, bucket
+
 # Until measured otherwise, each extra token in a forward pass is assumed to add this fraction of
-# a one-token step (decode is weight-bandwidth bound, so a few more rows cost little).
+# a one-token step (decode is weight-bandwidth bound, so a few more rows cost little). It prices
+# sizes past the only one measured; once two are, the curve's own last segment does.
 PRIOR_MARGINAL_FRACTION = 0.03
-# Recent samples kept per bucket; the median shrugs off warm-up and stalls.
-_WINDOW = 15
-_TRUSTED = 3  # samples before a bucket's median is trusted beyond a sanity ceiling
+WINDOW = 15  # recent passes kept per (context bucket, token bucket)
 _DRAFT_EWMA = 0.2
-
-
-def _token_bucket(num_tokens: int) -> int:
-    return num_tokens if num_tokens <= 64 else 1 << (num_tokens - 1).bit_length()
 
 
 def _context_bucket(context: float) -> int:
@@ -30,67 +28,87 @@ def _context_bucket(context: float) -> int:
     return (int(context) >> 7).bit_length()
 
 
-class _Table:
-    """Forward seconds by token bucket, for one context bucket."""
+class _Passes:
+    """Recent passes of one context bucket, and the curve fitted on them (refitted when asked after
+    a new pass: the controller asks many times per step, a pass arrives once)."""
 
     def __init__(self) -> None:
-        self.samples: dict[int, deque[float]] = {}
-        self.median: dict[int, float] = {}
-        self.keys: list[int] = []
+        self.by_bucket: dict[int, deque[tuple[int, float]]] = {}
+        self.curve: StepCost | None = None
+        self.seen = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        key = _token_bucket(num_tokens)
-        samples = self.samples.get(key)
-        if samples is None:
-            samples = self.samples[key] = deque(maxlen=_WINDOW)
-            bisect.insort(self.keys, key)
-        samples.append(seconds)
-        self.median[key] = statistics.median(samples)
+    def observe(self, num_tokens: int, ms: float) -> None:
+        key = bucket(num_tokens)
+        window = self.by_bucket.get(key)
+        if window is None:
+            window = self.by_bucket[key] = deque(maxlen=WINDOW)
+        window.append((num_tokens, ms))
+        self.seen += 1
+        self.curve = None
 
-    def estimate(self, num_tokens: int) -> float:
-        """Measured where possible; between measured sizes interpolated; beyond them, or next to a
-        barely measured size (a lone warm-up pass would make k+1 look unaffordable forever),
-        extrapolated from the nearest smaller size with the prior marginal cost."""
-        key = _token_bucket(num_tokens)
-        i = bisect.bisect_left(self.keys, key)
-        if i == 0:
-            near = self.keys[0]
-            if key == near:
-                return self.median[key]
-            return self.median[near] * max(0.5, 1.0 - PRIOR_MARGINAL_FRACTION * (near - num_tokens))
-        lo = self.keys[i - 1]
-        extrapolated = self.median[lo] * (1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - lo))
-        if key in self.median:
-            if len(self.samples[key]) >= _TRUSTED:
-                return self.median[key]
-            return min(self.median[key], 2 * extrapolated)  # one or two samples may be a stall
-        if i == len(self.keys) or len(self.samples[self.keys[i]]) < _TRUSTED:
-            return extrapolated
-        hi = self.keys[i]
-        t_lo, t_hi = self.median[lo], self.median[hi]
-        return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+    def fitted(self) -> StepCost:
+        if self.curve is None:
+            # Sizes passed fewer than MIN_BUCKET_STEPS times are priced from the others (one stalled
+            # pass must not make a size look unaffordable, and so never measured again), unless no
+            # size has been passed that often yet.
+            self.curve = StepCost.from_buckets(self.by_bucket, self.seen) or StepCost.from_buckets(
+                self.by_bucket, self.seen, min_bucket=1
+            )
+            assert self.curve is not None  # observe() put at least one pass in
+        return self.curve
 
 
 class CostModel:
     def __init__(self) -> None:
-        self._tables: dict[int, _Table] = {}
+        self._passes: dict[int, _Passes] = {}
         self._draft: dict[str, float] = {}  # EWMA seconds per drafting step, by proposer
 
     def observe_forward(self, num_tokens: int, seconds: float, context: float = 0.0) -> None:
-        """A forward pass over `num_tokens` new tokens, each attending to `context` keys on average."""
-        bucket = _context_bucket(context)
-        table = self._tables.get(bucket)
-        if table is None:
-            table = self._tables[bucket] = _Table()
-        table.observe(num_tokens, seconds)
+        """A forward pass over `num_tokens` new tokens (with its sampling and verification), each
+        attending to `context` keys on average."""
+        if num_tokens < 1 or not 0.0 < seconds < 1e3:
+            return
+        key = _context_bucket(context)
+        passes = self._passes.get(key)
+        if passes is None:
+            passes = self._passes[key] = _Passes()
+        passes.observe(num_tokens, seconds * 1e3)
+
+    def curve(self, context: float = 0.0) -> StepCost | None:
+        """The step-cost curve (ms by tokens) of the measured context bucket nearest `context`."""
+        if not self._passes:
+            return None
+        key = _context_bucket(context)
+        nearest = min(self._passes, key=lambda b: (abs(b - key), -b))
+        return self._passes[nearest].fitted()
 
     def forward_time(self, num_tokens: int, context: float = 0.0) -> float:
         """Seconds for a forward pass; relative units before any data."""
-        if not self._tables:
+        curve = self.curve(context)
+        if curve is None:
             return 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - 1)
-        bucket = _context_bucket(context)
-        nearest = min(self._tables, key=lambda b: (abs(b - bucket), -b))
-        return self._tables[nearest].estimate(num_tokens)
+        if len(curve.tokens) == 1 and num_tokens > curve.tokens[0]:
+            # One size measured at this context (decoding alone, say): longer passes grow as they do
+            # at the nearest context that has measured them (the products dominate a pass and do
+            # not depend on the context), else by the prior.
+            x, ms = curve.tokens[0], curve.ms[0]
+            shape = self._shape(context)
+            grow = (
+                shape.at(num_tokens) / shape.at(x)
+                if shape
+                else 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - x)
+            )
+            return ms * grow / 1e3
+        return curve.at(num_tokens) / 1e3
+
+    def _shape(self, context: float) -> StepCost | None:
+        """The curve of the context bucket nearest `context` that has measured two sizes or more."""
+        key = _context_bucket(context)
+        for b in sorted(self._passes, key=lambda b: (abs(b - key), -b)):
+            curve = self._passes[b].fitted()
+            if len(curve.tokens) > 1:
+                return curve
+        return None
 
     def observe_draft(self, method: str, steps: int, seconds: float) -> None:
         """A propose call of `method` took `seconds` for `steps` sequential drafting steps (the

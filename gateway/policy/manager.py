@@ -88,8 +88,9 @@ class PolicyManager:
         }
 
     def _step_cost(self) -> dict[str, Any] | None:
-        """The measured step cost curve and, per class and method with a prior, the batch from
-        which speculation no longer pays (None: it pays at every batch measured)."""
+        """The measured step cost curve and, per prior (class and method, and each temperature band
+        measured: `code:ngram@t0.9+`), the batch from which speculation no longer pays (None: it
+        pays at every batch measured)."""
         cost, state = self.state.step_cost, self.state
         if cost is None:
             return None

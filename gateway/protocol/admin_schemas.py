@@ -30,7 +30,16 @@ class PolicyPatch(BaseModel):
     classes: dict[WorkloadClass, ClassRulePatch] | None = None
     uncertain: ClassRulePatch | None = None
     min_confidence: float | None = Field(None, ge=0.0, le=1.0)
-    high_temperature: float | None = Field(None, ge=0.0, le=100.0)
+    high_temperature: float | None = Field(
+        None,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "cold-start fallback: open chat at or above this temperature does not speculate while "
+            "no acceptance is measured for its class, method and temperature band; once one is "
+            "(and the step cost), the measurement decides instead, for every class"
+        ),
+    )
     max_batch_for_spec: int | None = Field(None, ge=0, le=1_000_000)
     structured_methods: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
         None, max_length=32

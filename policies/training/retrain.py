@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.engine.step_cost import StepCost
 from specgate.policies.crossover import pool_crossovers
 from specgate.policies.decision import Policy
 from specgate.policies.exploration import ExplorationBudget
@@ -19,7 +20,6 @@ from specgate.policies.goodput import GoodputModel, TrainingRow
 from specgate.policies.priors import acceptance_priors
 from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
-from specgate.policies.step_cost import StepCost
 from specgate.policies.training.evaluation import ReplayResult, prediction_error, replay
 from specgate.policies.training.off_policy import Estimate, compare, evaluate, reward_model, terms
 

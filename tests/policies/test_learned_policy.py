@@ -14,12 +14,13 @@ from specgate.policies.rules import RuleConfig
 from specgate.policies.state import PolicyState
 from specgate.policies.training.retrain import InsufficientData, retrain
 from tests.policies import synthetic_telemetry as synth
+from tests.policies.test_rule_policy import steep
 
 ARMS = [Arm("embedded", "off"), Arm("embedded", "ngram")]
 
 
-def ctx(label: str, running: int = 0, seed: int = 0) -> DecisionContext:
-    feats = synth.features(label, running, random.Random(seed))
+def ctx(label: str, running: int = 0, seed: int = 0, temperature: float = 0.0) -> DecisionContext:
+    feats = synth.features(label, running, random.Random(seed), temperature)
     return DecisionContext(label, 0.9, feats, Load.from_features(feats), list(ARMS))
 
 
@@ -204,3 +205,17 @@ def test_a_feature_constant_in_training_moves_neither_prediction_nor_spread(mode
             at_training, at_live = model.predict(arm, base), model.predict(arm, live)
             assert at_live.log_mean == pytest.approx(at_training.log_mean, abs=1e-6)
             assert at_live.mean_std == pytest.approx(at_training.mean_std, abs=1e-6)
+
+
+def test_the_guards_read_the_acceptance_of_the_requests_band(model: GoodputModel) -> None:
+    # The model prefers ngram for code; at t=1 its measured acceptance pays no K: off, whatever
+    # the model says. Greedy, the class's pooled prior pays and is what the engine starts from.
+    priors = {"code:ngram": 0.9, "code:ngram@t0.9+": 0.1}
+    policy = LearnedPolicy(RuleConfig(), model, priors, seed=0, cost=steep())
+    hot = policy.decide(ctx("code", temperature=1.0), explore=False)
+    assert hot.arm.key == "embedded:off"
+    assert "temperature 1 (band >0.9): measured acceptance 0.10 pays no K at batch 1: off" in hot.reason
+    greedy = policy.decide(ctx("code"), explore=False)
+    assert greedy.arm.key == "embedded:ngram" and greedy.acceptance_prior == 0.9
+    banded = LearnedPolicy(RuleConfig(), model, {**priors, "code:ngram@t0": 0.8}, seed=0, cost=steep())
+    assert banded.decide(ctx("code"), explore=False).acceptance_prior == 0.8

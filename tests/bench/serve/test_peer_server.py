@@ -123,3 +123,12 @@ with peer_server.running(cmd, Path({str(tmp_path / "log")!r}), "http://127.0.0.1
             return
         time.sleep(0.1)
     pytest.fail("the server outlived the harness")
+
+
+def test_the_gateway_command_names_only_the_options_given() -> None:
+    cmd = peer_server.gateway_command(8123, {"model": Path("/m/x.gguf"), "dtype": None, "threads": 2}, ["-x"])
+    assert cmd == [
+        *(sys.executable, "-m", "specgate.gateway.cli.main", "serve", "--port", "8123"),
+        *("--model", "/m/x.gguf", "--threads", "2", "-x"),
+    ]
+    assert peer_server.gateway_command(1, {}, verbose=True)[3:5] == ["-v", "serve"]

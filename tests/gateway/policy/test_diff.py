@@ -30,7 +30,6 @@ def test_rule_and_prior_changes_are_named_by_path() -> None:
     changes = {c["path"]: (c["a"], c["b"]) for c in diff(a, b)["changes"]}
     assert changes == {
         "rules.classes.qa.method": ("ngram", "off"),
-        "rules.classes.qa.k_min": (1, 0),
         "rules.classes.qa.k_max": (3, 0),
         "rules.high_temperature": (0.9, 0.5),
         "priors.code:ngram": (None, 0.7),
@@ -51,3 +50,10 @@ def test_models_are_summarised_by_arm() -> None:
 
 def test_flatten_keeps_lists_whole_and_drops_empty_dicts() -> None:
     assert flatten({"a": {"b": [1, 2], "c": {}}, "d": 1}) == {"a.b": [1, 2], "d": 1}
+
+
+def test_a_temperature_bands_prior_is_one_path() -> None:
+    a = version(1, PolicyState(RuleConfig(), None, {"open_chat:ngram": 0.5}))
+    b = version(2, PolicyState(RuleConfig(), None, {"open_chat:ngram": 0.5, "open_chat:ngram@t0.9+": 0.12}))
+    changes = {c["path"]: (c["a"], c["b"]) for c in diff(a, b)["changes"]}
+    assert changes == {"priors.open_chat:ngram@t0.9+": (None, 0.12)}

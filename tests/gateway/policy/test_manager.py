@@ -232,6 +232,9 @@ def test_retrain_measures_the_step_cost_from_spec_steps(engine) -> None:  # type
     assert manager.state.step_cost is not None and manager.state.step_cost.n_steps == 160
     view = manager.describe()["step_cost"]
     assert view["crossover_batch"]["code:ngram"] is not None and view["crossover_batch"]["code:ngram"] > 1
+    # Per temperature band too (the synthetic rows are greedy), beside the pooled prior.
+    priors = manager.describe()["acceptance_priors"]
+    assert {"code:ngram", "code:ngram@t0"} <= set(priors) and "code:ngram@t0" in view["crossover_batch"]
 
 
 def test_a_whole_answers_latency_equal_to_its_whole_time_is_not_trained_on(engine) -> None:  # type: ignore[no-untyped-def]

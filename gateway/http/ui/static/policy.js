@@ -4,7 +4,7 @@ import { api, confirmAction, h, fmt, say, table, tile } from "./api.js";
 
 const THRESHOLDS = [
   ["min_confidence", "Minimum classifier confidence", 0.01],
-  ["high_temperature", "High temperature (open chat: off)", 0.05],
+  ["high_temperature", "High temperature (open chat: off until measured)", 0.05],
   ["max_batch_for_spec", "Largest batch that speculates", 1],
   ["exploration_rate", "Exploration rate", 0.01],
   ["exploration_cap", "Exploration cap", 0.01],

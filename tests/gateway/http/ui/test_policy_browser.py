@@ -33,7 +33,7 @@ def test_change_a_rule_see_a_new_version_then_roll_back(page: Any, live: LiveGat
     assert policy["version"] == before + 1
     assert policy["rules"]["classes"]["code"] == {
         "method": "off",
-        "k_min": 1,
+        "k_min": 0,
         "k_max": 5,
         "controller": "goodput",
     }

@@ -1,31 +1,40 @@
-"""When verification stops paying: the engine's measured step cost by batch size, and the batch
-at which speculating K tokens per sequence no longer beats plain decoding.
+"""What a step costs: one curve of a forward pass's wall time by the number of tokens in it, for
+the engine's draft-length controller and the gateway's routing policy alike.
+
+Both price the same quantity, measured at the same point: the milliseconds from the start of a
+forward pass to the end of its sampling and verification, for a pass over n tokens (every
+sequence's new tokens, drafts included). The engine fits the curve live from its recent passes
+(`engine/spec_decode/cost_model.py`, one curve per context length); the routing policy fits it from
+the `spec_steps` telemetry rows those same passes wrote (`policies/training/retrain.py`). This
+module imports nothing of the project, so that `policies` may import it (the one exception to its
+import contract) and neither side keeps a copy of the other's arithmetic.
+
+The curve: a median per bucket of tokens (each size up to 16 its own, then four buckets per doubling:
+kernels pass over a few rows at a time, so a pass's cost is not smooth at small sizes), made
+non-decreasing, interpolated between buckets; beyond the last, linear in tokens along the last
+segment (compute-bound by then); below the first, along the first segment but never under a cost
+proportional to tokens. Verification passes hold at least two tokens, so plain decoding's one-token
+pass is rarely measured where a request speculates, and pricing it at the smallest measured pass
+would overstate speculation's gain by that pass's premium.
 
 At batch B, a plain decode step computes B tokens and emits B; a speculative step computes B * (k + 1)
 (each sequence's last token and k drafts) and emits B * (1 + a), a = expected accepted drafts. With
-T(n) the wall time of a step over n tokens, speculation's goodput relative to plain decoding is
+T(n) the curve, speculation's goodput relative to plain decoding is
 
     (1 + a) * T(B) / T(B * (k + 1))
 
-which is above 1 while steps are memory-bound (T nearly flat in n) and falls below it once they
-are compute-bound. T is measured, not assumed: the `spec_steps` telemetry rows (batch tokens,
-step ms) give a median per bucket of tokens (each size up to 16, then four buckets per doubling:
-kernels pass over a few rows at a time, so a step's cost is not smooth at small sizes), made
-non-decreasing, and interpolated between buckets; beyond the last, linear in tokens; below the
-first, along the first segment but never under a cost proportional to tokens. Verification steps
-hold at least two tokens, so plain decoding's one-token step is rarely measured, and pricing it at
-the smallest measured step would overstate speculation's gain at low batch by that step's premium.
-So the crossover follows each machine and model instead of one constant (vLLM measured acceptance
-steady from batch 1 to 32 while the speedup went from +23% to -16%: acceptance alone cannot tell).
-
-Expected accepted drafts of a chain of k with per-position acceptance p: p (1 - p^k) / (1 - p).
+which is above 1 while passes are memory-bound (T nearly flat in n) and falls below it once they
+are compute-bound: the crossover follows each machine and model instead of one constant (vLLM
+measured acceptance steady from batch 1 to 32 while the speedup went from +23% to -16%: acceptance
+alone cannot tell). Expected accepted drafts of a chain of k with per-position acceptance p:
+p (1 - p^k) / (1 - p).
 """
 
 from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +44,7 @@ MAX_BATCH = 4096  # crossover search bound, in sequences
 EXACT_TOKENS = 16
 
 
-def _bucket(tokens: int) -> int:
+def bucket(tokens: int) -> int:
     """Each size up to EXACT_TOKENS its own bucket; beyond, a quarter of a doubling each."""
     if tokens <= EXACT_TOKENS:
         return tokens
@@ -74,14 +83,25 @@ class StepCost:
         for tokens, ms in steps:
             if tokens is None or ms is None or tokens < 1 or not 0 < ms < 1e6:
                 continue
-            buckets.setdefault(_bucket(int(tokens)), []).append((int(tokens), float(ms)))
+            buckets.setdefault(bucket(int(tokens)), []).append((int(tokens), float(ms)))
             n += 1
         if n < min_steps:
             return None
+        return cls.from_buckets(buckets, n)
+
+    @classmethod
+    def from_buckets(
+        cls,
+        buckets: Mapping[int, Sequence[tuple[int, float]]],
+        n_steps: int,
+        min_bucket: int = MIN_BUCKET_STEPS,
+    ) -> StepCost | None:
+        """From (tokens, ms) pairs already grouped by `bucket`; buckets with fewer than `min_bucket`
+        pairs say nothing yet (one stalled pass must not price a size). None: no bucket qualifies."""
         xs: list[int] = []
         ys: list[float] = []
         for _, pairs in sorted(buckets.items()):
-            if len(pairs) < MIN_BUCKET_STEPS:
+            if len(pairs) < max(1, min_bucket):
                 continue
             x = round(statistics.median(t for t, _ in pairs))
             if xs and x <= xs[-1]:
@@ -92,7 +112,7 @@ class StepCost:
             return None
         for i in range(1, len(ys)):  # more tokens never cost less: noise is not a discount
             ys[i] = max(ys[i], ys[i - 1])
-        return cls(xs, ys, n)
+        return cls(xs, ys, n_steps)
 
     def at(self, tokens: float) -> float:
         """Step ms over `tokens` tokens."""
