@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,15 +61,16 @@ class _Step:
     started: float = 0.0  # time.perf_counter() at the forward pass
     logits: torch.Tensor | None = None  # [sum of num_logits, vocab]
     hidden: list[torch.Tensor] | None = None  # per item [len(token_ids), hidden_size]
+    # Keys each new token of the pass attends to, on average (the cost model's context); read by
+    # the ledger while the pass is verified and by the cost model after it.
+    context: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.context = mean_context((it.start, len(it.token_ids)) for it in self.items)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(it.token_ids) for it in self.items)
-
-    @property
-    def context(self) -> float:
-        """Keys each new token of the pass attends to, on average (the cost model's context)."""
-        return mean_context((it.start, len(it.token_ids)) for it in self.items)
 
 
 @dataclass(slots=True)

@@ -74,13 +74,15 @@ class CostModel:
             passes = self._passes[key] = _Passes()
         passes.observe(num_tokens, seconds * 1e3)
 
+    def _nearest(self, context: float) -> list[_Passes]:
+        """The measured context buckets, nearest `context` first (ties: the longer context)."""
+        key = _context_bucket(context)
+        return [self._passes[b] for b in sorted(self._passes, key=lambda b: (abs(b - key), -b))]
+
     def curve(self, context: float = 0.0) -> StepCost | None:
         """The step-cost curve (ms by tokens) of the measured context bucket nearest `context`."""
-        if not self._passes:
-            return None
-        key = _context_bucket(context)
-        nearest = min(self._passes, key=lambda b: (abs(b - key), -b))
-        return self._passes[nearest].fitted()
+        nearest = self._nearest(context)
+        return nearest[0].fitted() if nearest else None
 
     def forward_time(self, num_tokens: int, context: float = 0.0) -> float:
         """Seconds for a forward pass; relative units before any data."""
@@ -103,12 +105,7 @@ class CostModel:
 
     def _shape(self, context: float) -> StepCost | None:
         """The curve of the context bucket nearest `context` that has measured two sizes or more."""
-        key = _context_bucket(context)
-        for b in sorted(self._passes, key=lambda b: (abs(b - key), -b)):
-            curve = self._passes[b].fitted()
-            if len(curve.tokens) > 1:
-                return curve
-        return None
+        return next((c for c in (p.fitted() for p in self._nearest(context)) if len(c.tokens) > 1), None)
 
     def observe_draft(self, method: str, steps: int, seconds: float) -> None:
         """A propose call of `method` took `seconds` for `steps` sequential drafting steps (the
