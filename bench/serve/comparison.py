@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specgate.bench.serve.metrics import RequestResult, percentile
+from specgate.bench.serve.metrics import RequestResult, ms, number, over, percentile
 from specgate.bench.serve.peer_server import PEER
 
 ALL = "all"
@@ -22,26 +22,18 @@ def cell(results: Sequence[RequestResult], aggregate: float | None) -> dict[str,
     rates = [r.output_tokens / r.e2e for r in ok if r.e2e]
     return {
         "requests": len(ok),
-        "ttft_p50_ms": _ms(percentile([r.ttft for r in ok if r.ttft is not None], 50)),
-        "tpot_p50_ms": _ms(percentile([r.tpot for r in ok if r.tpot is not None], 50)),
+        "ttft_p50_ms": ms(percentile([r.ttft for r in ok if r.ttft is not None], 50)),
+        "tpot_p50_ms": ms(percentile([r.tpot for r in ok if r.tpot is not None], 50)),
         "tokens_per_s": sum(rates) / len(rates) if rates else None,
         "output_tokens": sum(r.output_tokens for r in ok) / len(ok) if ok else None,
         "aggregate_tokens_per_s": aggregate,
     }
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return a / b if a and b else None
-
-
 def ratios(arm: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
     """arm / peer for each measure: above 1 is better for tokens/s, worse for TTFT and TPOT."""
     keys = ("tokens_per_s", "aggregate_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")
-    return {k: _ratio(arm.get(k), peer.get(k)) for k in keys}
+    return {k: over(arm.get(k), peer.get(k)) for k in keys}
 
 
 def table(runs: Sequence[dict[str, Any]], peer: str = PEER) -> list[dict[str, Any]]:
@@ -68,10 +60,6 @@ def table(runs: Sequence[dict[str, Any]], peer: str = PEER) -> list[dict[str, An
     return rows
 
 
-def _f(v: Any, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -93,11 +81,11 @@ def markdown(rows: Sequence[dict[str, Any]], peer: str = PEER) -> list[str]:
             r["point"],
             r["category"],
             r["arm"],
-            _f(r["ttft_p50_ms"]),
-            _f(r["tpot_p50_ms"]),
-            _f(r["output_tokens"], 0),
-            _f(r["tokens_per_s"]),
-            _f(r["aggregate_tokens_per_s"]),
+            number(r["ttft_p50_ms"]),
+            number(r["tpot_p50_ms"]),
+            number(r["output_tokens"], 0),
+            number(r["tokens_per_s"]),
+            number(r["aggregate_tokens_per_s"]),
             _x(vs.get("tokens_per_s")),
             _x(vs.get("aggregate_tokens_per_s")),
         ]

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import openai
 
 from specgate.bench.serve.datasets import BenchRequest
-from specgate.bench.serve.metrics import RequestResult, bootstrap_interval, geomean, percentile
+from specgate.bench.serve.metrics import RequestResult, bootstrap_interval, geomean, ms, percentile
 from specgate.bench.serve.runner import PLAIN, closed_loop, send, warm_up
 
 T = TypeVar("T")
@@ -190,10 +190,6 @@ async def at_point(arms: Sequence[Arm], measure: Callable[[], Awaitable[dict[str
     return out
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
 def arm_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tpots = [r.tpot for r in ok if r.tpot is not None]
@@ -202,8 +198,8 @@ def arm_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "tpot_ms": [round(t * 1e3, 2) for t in tpots],
-        "tpot_p50_ms": _ms(percentile(tpots, 50)),
-        "ttft_p50_ms": _ms(percentile([r.ttft for r in ok if r.ttft is not None], 50)),
+        "tpot_p50_ms": ms(percentile(tpots, 50)),
+        "ttft_p50_ms": ms(percentile([r.ttft for r in ok if r.ttft is not None], 50)),
         "output_tokens": [r.output_tokens for r in ok],
     }
 
@@ -215,7 +211,7 @@ def class_tpot(results: Sequence[RequestResult]) -> dict[str, float | None]:
         by.setdefault(r.category, [])
         if r.ok and r.tpot is not None:
             by[r.category].append(r.tpot)
-    return {cat: _ms(percentile(ts, 50)) for cat, ts in by.items()}
+    return {cat: ms(percentile(ts, 50)) for cat, ts in by.items()}
 
 
 def best_of(
@@ -284,9 +280,9 @@ def row(r: RequestResult, **extra: Any) -> dict[str, Any]:
         "error": r.error,
         "prompt_tokens": r.prompt_tokens,
         "output_tokens": r.output_tokens,
-        "ttft_ms": _ms(r.ttft),
-        "tpot_ms": _ms(r.tpot),
-        "e2e_ms": _ms(r.e2e),
+        "ttft_ms": ms(r.ttft),
+        "tpot_ms": ms(r.tpot),
+        "e2e_ms": ms(r.e2e),
         "num_drafts": spec.get("num_drafts"),
         "num_accepted_tokens": spec.get("num_accepted_tokens"),
         "route": (r.route.get("spec") or {}).get("method") if r.route else None,

@@ -51,6 +51,20 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def over(a: Any, b: Any) -> float | None:
+    """a / b, None where either is missing or zero."""
+    return a / b if a and b else None
+
+
+def number(v: float | None, digits: int = 1) -> str:
+    """A table cell: thousands separated, "-" for nothing measured."""
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
 def percentile(values: Sequence[float], p: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:

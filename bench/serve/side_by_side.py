@@ -34,7 +34,7 @@ from tqdm import tqdm
 from specgate.bench.serve import interleaved, llama_server, peer_arm, peer_server
 from specgate.bench.serve.datasets import BenchRequest
 from specgate.bench.serve.interleaved import ALL, Arm, Phase, Sender
-from specgate.bench.serve.metrics import RequestResult
+from specgate.bench.serve.metrics import RequestResult, number, over
 from specgate.bench.serve.peer_server import PEER
 from specgate.bench.serve.runner import PLAIN
 
@@ -222,18 +222,10 @@ def throughput(
         },
         "best_llama_server": best,
         "ratios": {
-            ref: {a: _over(tok[a], tok[ref]) for a in compared} for ref, compared in references(names, llama)
+            ref: {a: over(tok[a], tok[ref]) for a in compared} for ref, compared in references(names, llama)
         },
         "requests": [interleaved.row(r, phase=k) for k, p in enumerate(done) for r in p.results],
     }
-
-
-def _over(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def _f(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
 
 
 def _ratio(est: dict[str, Any] | None) -> str:
@@ -284,9 +276,9 @@ def _one_in_flight(point: dict[str, Any]) -> list[str]:
         "|---|---|" + "---|" * (len(names) + bool(best)),
     ]
     for c in classes:
-        cells = [_f(arms[n]["tpot_p50_ms_by_class"][c]) for n in names] + ([best[c]] if best else [])
+        cells = [number(arms[n]["tpot_p50_ms_by_class"][c]) for n in names] + ([best[c]] if best else [])
         lines.append(f"| {c} | {counts[c]} | " + " | ".join(cells) + " |")
-    overall = [_f(arms[n]["tpot_p50_ms"]) for n in names] + (["-"] if best else [])
+    overall = [number(arms[n]["tpot_p50_ms"]) for n in names] + (["-"] if best else [])
     lines.append(f"| {ALL} | {sum(counts.values())} | " + " | ".join(overall) + " |")
     for ref in dict.fromkeys(p["reference"] for p in point["pairs"]):
         pairs = {p["arm"]: p for p in point["pairs"] if p["reference"] == ref}
@@ -325,7 +317,7 @@ def _many_in_flight(point: dict[str, Any]) -> list[str]:
     ]
     for name, a in point["arms"].items():
         ratios = [point["ratios"][r].get(name) for r in refs]
-        cells = [", ".join(_f(x) for x in a["tok_s"]), _f(a["tok_s_mean"])]
+        cells = [", ".join(number(x) for x in a["tok_s"]), number(a["tok_s_mean"])]
         cells += ["-" if x is None else f"{x:.2f}x" for x in ratios]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     failed = {name: a["failed"] for name, a in point["arms"].items() if a["failed"]}
