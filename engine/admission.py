@@ -18,8 +18,7 @@ from specgate.engine.errors import ContextLengthExceededError, RequestError
 from specgate.engine.outputs import RequestStats, SpecStats
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.sequence import Sequence
-from specgate.engine.spec_decode.controller import SpecState
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 
 
 def checked_prompt(
@@ -69,7 +68,7 @@ def new_sequence(
     detok = None
     if tokenizer is not None:
         detok = IncrementalDetokenizer(tokenizer, prompt, params.stop, params.include_stop_str_in_output)
-    stats = RequestStats(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt))
+    stats = RequestStats(arrival_ts=time.monotonic(), num_prompt_tokens=len(prompt))
     if spec is not None:
         stats.spec = SpecStats(spec.method)
     return Sequence(
@@ -80,7 +79,7 @@ def new_sequence(
         generator=generator,
         stats=stats,
         detokenizer=detok,
-        spec=SpecState(spec) if spec is not None else None,
+        spec=spec,
         prefix_salt=prefix_salt,
         tenant=tenant,
         index=index,

@@ -11,7 +11,6 @@ import torch
 
 from specgate.engine.attention import AttentionMetadata, BatchedGroup, LongChunk, tile_groups
 from specgate.engine.batch_invariant import ATTENTION_TILE, key_bucket
-from specgate.engine.draft_tree import ancestor_mask, depths
 from specgate.engine.kv_cache import KVCache
 
 # Sequences with at most this many new tokens (decode, verification) may share a padded attention call.
@@ -24,6 +23,19 @@ SHORT_MAX_TOKENS = 16
 SHARED_MAX_CONTEXT = 128
 
 
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[n + 1, n + 1] bool over a draft tree's root (row and column 0) and its n nodes: True where the
+    row's token may attend the column's, i.e. the column is the row itself or one of its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask
+
+
 @dataclass(slots=True)
 class ForwardItem:
     token_ids: Sequence[int]  # new tokens of one sequence, at positions start, start + 1, ...
@@ -31,16 +43,17 @@ class ForwardItem:
     block_table: Sequence[int]  # must already cover start + len(token_ids) positions
     num_logits: int  # logits wanted for this many trailing positions
     # A draft tree to verify: the first token is its root (the sequence's last committed token) and
-    # the rest its nodes, with their parents as in engine/draft_tree.py (-1: the root). Token j then
-    # sits at position start + its depth, attends to the context and its ancestors only, and its
-    # key / value goes to slot start + j all the same.
+    # the rest its nodes, with their parents as in engine/spec_decode/draft_tree.py (-1: the root).
+    # Token j then sits at position start + its depth, attends to the context and its ancestors
+    # only, and its key / value goes to slot start + j all the same.
     tree: Sequence[int] | None = None
 
     def positions(self) -> torch.Tensor:
         """[len(token_ids)] position of each new token."""
         if self.tree is None:
             return torch.arange(self.start, self.start + len(self.token_ids))
-        return self.start + torch.tensor([0, *depths(self.tree)])
+        # A token's depth is the number of its ancestors, the root included: its mask row less itself.
+        return self.start + ancestor_mask(self.tree).sum(dim=-1) - 1
 
     def mask(self, t: int, s: int) -> torch.Tensor:
         """[t, s] bool: which of the first s context slots each new token attends to; rows past the

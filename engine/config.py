@@ -55,7 +55,8 @@ class EngineConfig:
     # speculation method or K, or prefix-cache hits (engine/batch_invariant.py).
     deterministic: bool = False
     # Constrained requests draft the tokens their grammar forces (free drafts, verified like any
-    # other; engine/constraint.py). Off: each forced token takes its own step (for comparison).
+    # other; engine/structured_output/constraint.py). Off: each forced token takes its own step
+    # (for comparison).
     forced_drafts: bool = True
     # Token counts of the steps compiled with torch.compile on CPU (engine/models/compiled.py): a step
     # of n tokens runs the graph of the smallest size >= n, padded; larger steps run eagerly. Empty:

@@ -1,15 +1,22 @@
 """The engine: continuous batching over one causal LM, with per-request speculation.
 
 No threads and no I/O of its own. The caller (the gateway's engine thread, the CLI, a benchmark)
-adds requests and calls `step()` in a loop. Each step runs one target forward pass over every
-scheduled sequence: prefill chunks, plain decodes, and decodes that verify k drafted tokens
-(a different k per sequence, chosen by its controller) all share the batch.
+adds requests and calls `step()` in a loop. A step is schedule -> run -> process outputs:
+
+- schedule (scheduler.py): which sequences compute how many tokens this step;
+- run: drafts for the speculating sequences (spec_decode/), one target forward pass over every
+  scheduled sequence (prefill chunks, plain decodes, and decodes that verify k drafted tokens, a
+  different k per sequence, all share the batch), then sampling, or verification of the drafts:
+  per sequence that emits, its accepted tokens and their logprobs (spec_decode/verified.py);
+  speculation then settles what was verified (KV rewound, its controller taught);
+- process outputs (output_processor.py): tokens appended, stop rules and grammars applied, counters
+  recorded, one `RequestOutput` per sequence that moved.
 
 One request's failure is its own: an exception while drafting, processing logits, sampling,
-verifying or checking stops for one sequence (or logits with no finite value in its rows) ends that
-request with finish_reason "error" and the rest of the batch goes on. A failed forward pass fails
-the sequences in it; `consecutive_forward_failures` tells a supervisor when the engine itself is
-broken.
+verifying, settling speculation or processing its tokens for one sequence (or logits with no finite
+value in its rows) ends that request with finish_reason "error" and the rest of the batch goes on.
+A failed forward pass fails the sequences in it; `consecutive_forward_failures` tells a supervisor
+when the engine itself is broken.
 """
 
 from __future__ import annotations
@@ -19,38 +26,40 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
-from specgate.engine import draft_tree
 from specgate.engine.admission import checked_prompt, new_sequence, request_generator
 from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.block_manager import BlockManager, blocks_for
 from specgate.engine.config import EngineConfig
-from specgate.engine.constraint import Constraint, ConstraintError
-from specgate.engine.drafting import Drafter, mean_context
 from specgate.engine.errors import DuplicateRequestError, RequestError
-from specgate.engine.grammar import GrammarCompiler, GrammarError
 from specgate.engine.model_runner import ModelRunner
-from specgate.engine.outputs import RequestOutput, TokenLogprob
+from specgate.engine.output_processor import OutputProcessor
+from specgate.engine.outputs import RequestOutput
 from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.scheduler import ScheduledSequence, Scheduler
-from specgate.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from specgate.engine.sequence import Sequence, SequenceGroup
 from specgate.engine.spec_decode import tree_proposal
 from specgate.engine.spec_decode.cost_model import CostModel
-from specgate.engine.spec_decode.params import SpecParams
-from specgate.engine.spec_decode.proposer import Proposal, Proposer, ProposerContext
-from specgate.engine.spec_decode.proposers import proposer_factory
+from specgate.engine.spec_decode.drafting import mean_context
+from specgate.engine.spec_decode.proposer import Proposal, Proposer
 from specgate.engine.spec_decode.rejection_sampler import verify_draft
-from specgate.engine.stop_rules import may_stop, sampling_row, stop_after
+from specgate.engine.spec_decode.speculation import ForwardPass, Speculation
+from specgate.engine.spec_decode.verified import Verified
+from specgate.engine.stop_rules import sampling_row
+from specgate.engine.structured_output.manager import StructuredOutputManager
+from specgate.engine.vocab import LoadSnapshot, SpecParams
 
 logger = logging.getLogger("specgate.engine")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class _Step:
-    """One step's working set, handed from phase to phase."""
+    """One step's run, handed from phase to phase."""
 
     batch: list[ScheduledSequence]
     drafts: list[Proposal]  # per sequence (empty for most)
@@ -61,9 +70,11 @@ class _Step:
     started: float = 0.0  # time.perf_counter() at the forward pass
     logits: torch.Tensor | None = None  # [sum of num_logits, vocab]
     hidden: list[torch.Tensor] | None = None  # per item [len(token_ids), hidden_size]
-    # Keys each new token of the pass attends to, on average (the cost model's context); read by
-    # the ledger while the pass is verified and by the cost model after it.
+    # Keys each new token of the pass attends to, on average (the cost model's context).
     context: float = field(init=False)
+    forward: ForwardPass | None = None  # the pass as its drafts are priced, once it ran
+    emitted_at: float = 0.0  # time.monotonic() when its tokens were sampled: their emit time
+    verified: list[Verified] = field(default_factory=list)  # per sequence that emits, batch order
 
     def __post_init__(self) -> None:
         self.context = mean_context((it.start, len(it.token_ids)) for it in self.items)
@@ -71,19 +82,6 @@ class _Step:
     @property
     def num_tokens(self) -> int:
         return sum(len(it.token_ids) for it in self.items)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_cache_bytes: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
 
 
 class Engine:
@@ -106,35 +104,26 @@ class Engine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
         self.consecutive_forward_failures = 0  # reset by every forward pass that succeeds
-        self._proposers: dict[str, Proposer] = {}
-        self.drafter = Drafter(
-            self.block_manager,
-            self.proposer,
-            self._fail,
-            vocab_size=self.runner.vocab_size,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            deterministic=config.deterministic,
-            eos_token_ids=self.eos_token_ids,
-            forced_drafts=config.forced_drafts,
+        self._num_steps = 0
+        self._last_step = (0, 0.0)  # the last step's emitted tokens and wall seconds
+        self.speculation = Speculation(
+            self.runner, self.block_manager, config, self.eos_token_ids, self._fail
         )
-        for method in config.proposer_options:
-            self.proposer(method)
-        # Grammars of constrained requests, compiled for this tokenizer and kept by their text.
-        self.grammars = (
-            GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
-            if self.tokenizer is not None
-            else None
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.runner.vocab_size, self.eos_token_ids
+        )
+        self.output_processor = OutputProcessor(
+            self.max_model_len, self.eos_token_ids, self._finish, self._fail, self.speculation.commit
         )
 
     @property
     def cost_model(self) -> CostModel:
         """Measured step costs (forward passes, drafting) behind every controller's choices."""
-        return self.drafter.cost_model
+        return self.speculation.cost_model
 
     @cost_model.setter
     def cost_model(self, model: CostModel) -> None:
-        self.drafter.cost_model = model
+        self.speculation.cost_model = model
 
     def _max_cached_blocks(self) -> int | None:
         limit = self.config.prefix_cache_bytes
@@ -155,19 +144,7 @@ class Engine:
 
     def proposer(self, method: str) -> Proposer:
         """The engine's proposer for `method`, built from the registry on first use."""
-        proposer = self._proposers.get(method)
-        if proposer is None:
-            ctx = ProposerContext(
-                vocab_size=self.runner.vocab_size,
-                device=self.runner.device,
-                dtype=self.config.dtype,
-                tokenizer=self.tokenizer,
-                options=dict(self.config.proposer_options.get(method, {})),
-                runner=self.runner,
-                model_name=self.model_name,
-            )
-            proposer = self._proposers[method] = proposer_factory(method)(ctx)
-        return proposer
+        return self.speculation.proposer(method)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -217,19 +194,10 @@ class Engine:
             )
             if seq.seq_id in self._seqs:
                 raise DuplicateRequestError(f"request id {request_id!r} collides with {seq.seq_id!r}")
-            seq.constraint = self._constraint(params)
+            seq.constraint = self.structured_output.constraint(params.grammar)
             seq.group = group
             seqs.append(seq)
-        if proposer is not None:
-            started: list[Sequence] = []
-            try:
-                for seq in seqs:
-                    started.append(seq)
-                    proposer.start(seq.seq_id, prompt, cache_scope)
-            except Exception:
-                for seq in started:
-                    self._quietly(proposer.finish, seq.seq_id, prompt)
-                raise
+        self.speculation.start(seqs, prompt, cache_scope)
         if group is not None:
             group.members.extend(seqs)
         self._requests[request_id] = list(seqs)
@@ -259,21 +227,6 @@ class Engine:
             )
         return SequenceGroup(request_id, fork_point)
 
-    def _constraint(self, params: SamplingParams) -> Constraint | None:
-        """The request's grammar state at its start, compiled (or taken from the cache)."""
-        if params.grammar is None:
-            return None
-        if self.grammars is None:
-            raise RequestError("this engine has no tokenizer, so it cannot follow a grammar")
-        try:
-            constraint = Constraint(
-                self.grammars.matcher(params.grammar), self.runner.vocab_size, sorted(self.eos_token_ids)
-            )
-            constraint.allowed_after([])  # a grammar that admits no output fails here, not mid-stream
-            return constraint
-        except (GrammarError, ConstraintError) as exc:
-            raise RequestError(f"the grammar cannot be compiled: {exc}") from exc
-
     def abort(self, request_id: str) -> bool:
         """Stop a request (all of its sequences) now and free its KV blocks; the final outputs come
         with the next step."""
@@ -292,49 +245,68 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
-    def stats(self) -> EngineStats:
+    def load(self) -> LoadSnapshot:
+        """The engine's load as of its last step: what its clients route on."""
         bm = self.block_manager
-        return EngineStats(
-            num_waiting=self.scheduler.num_waiting,
+        return LoadSnapshot(
             num_running=len(self.scheduler.running),
-            kv_blocks_total=bm.num_blocks,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=min(1.0, bm.num_used_blocks / bm.num_blocks),
+            num_batched_tokens=self._last_step[0],
+            step_time=self._last_step[1],
+            num_steps=self._num_steps,
             kv_blocks_used=bm.num_used_blocks,
-            kv_cache_bytes=self.runner.kv_cache.nbytes,
         )
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule -> propose -> forward -> verify -> postprocess."""
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
+        """One engine step: schedule -> run (drafts, the forward pass, sampling and verification;
+        speculation settles what was verified) -> the output processor."""
+        started = time.perf_counter()
+        outputs = self._step()
+        self._num_steps += 1
+        self._last_step = (sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        aborted, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
+        seqs = [*aborted, *(s.seq for s in batch)]  # whose news this step may carry
+        step = self._run(batch) if batch else None
+        if step is None or step.forward is None:  # no pass ran: its sequences failed, if it had any
+            return self.output_processor.process([], seqs, time.monotonic())
+        for v in step.verified:
+            self._guard(v.seq, "settling its speculation", self.speculation.settle, v, step.forward)
+        outputs = self.output_processor.process(step.verified, seqs, step.emitted_at)
+        self.speculation.observe_forward(step.forward, time.perf_counter() - step.started)
+        for s in step.batch:
+            if not s.seq.is_finished:
+                self.block_manager.publish(s.seq)  # its newly committed full blocks
+        return outputs
+
+    # ---- run: drafts, the forward pass, sampling and verification ----------------------------
+
+    def _run(self, batch: list[ScheduledSequence]) -> _Step | None:
+        """The scheduled sequences' step up to their verified tokens (`_Step.verified`); None if no
+        sequence got as far as the forward pass."""
         for seq in self.scheduler.hits:
-            self._restore_features(seq)
-        step = self._plan(batch, outputs)
-        if step is None or not self._forward(step, outputs):
-            return outputs
-        self._verify(step)
-        return self._postprocess(step, outputs)
-
-    # ---- the phases of a step ----------------------------------------------------------------
-
-    def _plan(self, batch: list[ScheduledSequence], outputs: list[RequestOutput]) -> _Step | None:
-        """Drafts for the speculating sequences (KV room reserved), and the forward items."""
-        drafts = self.drafter.propose(batch)
-        batch, drafts = self._drop_failed(batch, drafts, outputs)
-        if not batch:
+            self._guard(seq, "restoring cached target features", self.speculation.restore_features, seq)
+        drafts = self.speculation.propose(batch)  # KV room reserved
+        kept = [i for i, s in enumerate(batch) if not s.seq.is_finished]  # not failed while drafting
+        if not kept:
             return None
-        return _Step(
-            batch=batch,
-            drafts=drafts,
-            samples=[s.samples for s in batch],  # decided before the step advances any sequence
-            items=[self._forward_item(s, d) for s, d in zip(batch, drafts, strict=True)],
-            feeds=[self._feature_proposer(s.seq) for s in batch],
+        step = _Step(
+            batch=[batch[i] for i in kept],
+            drafts=[drafts[i] for i in kept],
+            samples=[batch[i].samples for i in kept],  # decided before the step advances any sequence
+            items=[self._forward_item(batch[i], drafts[i]) for i in kept],
+            feeds=[self.speculation.feature_proposer(batch[i].seq) for i in kept],
             scheduled_at=time.monotonic(),
         )
+        if self._forward(step):
+            self._sample(step)
+        return step
 
-    def _forward(self, step: _Step, outputs: list[RequestOutput]) -> bool:
+    def _forward(self, step: _Step) -> bool:
         """One target pass over every item; False (its sequences failed) if the pass raised."""
         step.started = time.perf_counter()
         try:
@@ -345,7 +317,6 @@ class Engine:
             logger.exception("forward pass over %d sequences failed", len(step.batch))
             for s in step.batch:
                 self._fail(s.seq, f"the forward pass failed ({type(exc).__name__})")
-            outputs.extend(self._output(s.seq) for s in step.batch)
             return False
         self.consecutive_forward_failures = 0
         if step.hidden is not None:
@@ -358,7 +329,7 @@ class Engine:
                     )
         return True
 
-    def _verify(self, step: _Step) -> None:
+    def _sample(self, step: _Step) -> None:
         """Sample, or verify the drafts of, every sequence that emits this step."""
         assert step.logits is not None
         rows: list[SamplingRow] = []
@@ -383,13 +354,17 @@ class Engine:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             seq.stats.num_steps += 1
-            if seq.stats.first_scheduled_time is None:
-                seq.stats.first_scheduled_time = step.scheduled_at
+            if seq.stats.scheduled_ts is None:
+                seq.stats.scheduled_ts = step.scheduled_at
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 seq.stats.num_prefill_chunks += 1
-        done = time.monotonic()
-        timing = (step.num_tokens, (time.perf_counter() - step.started) * 1e3)  # for telemetry
-        pass_cost = (step.context, sum(len(d.token_ids) for d in step.drafts))
+        step.emitted_at = time.monotonic()
+        step.forward = ForwardPass(
+            num_tokens=step.num_tokens,
+            ms=(time.perf_counter() - step.started) * 1e3,  # for telemetry and the drafts' price
+            context=step.context,
+            num_drafted=sum(len(d.token_ids) for d in step.drafts),
+        )
         for i, block in blocks:
             seq = step.batch[i].seq
             if seq.is_finished:
@@ -397,66 +372,42 @@ class Engine:
             if not all(usable[block]):
                 self._fail(seq, "the model produced no finite logits for this request")
                 continue
-            handoff = None
-            proposer = step.feeds[i]
-            if step.hidden is not None and proposer is not None:
-                handoff = (proposer, step.items[i].start, step.hidden[i])
-            args = (
-                step.drafts[i],
-                step.logits[block],
-                processed[block],
-                rows[block],
-                done,
-                timing,
-                pass_cost,
+            args = (step.drafts[i], step.logits[block], processed[block], rows[block], step.items[i].start)
+            hidden = step.hidden[i] if step.hidden is not None and step.feeds[i] is not None else None
+            verified = self._guard(seq, "sampling", self._verify, seq, *args, hidden)
+            if verified is not None:
+                step.verified.append(verified)
+
+    def _verify(
+        self,
+        seq: Sequence,
+        proposal: Proposal,
+        raw: torch.Tensor,  # [k + 1, vocab]
+        processed: torch.Tensor,  # [k + 1, vocab]
+        rows: list[SamplingRow],
+        position: int,  # the step's first token's
+        hidden: torch.Tensor | None,  # [k + 1, hidden], for a feature-level proposer
+    ) -> Verified:
+        """One sequence's tokens: its draft verified (the accepted drafts, then one recovered or
+        bonus token), or one token sampled; and their logprobs."""
+        draft, parents = proposal.token_ids, proposal.parents
+        path: list[int] = []  # accepted nodes
+        if draft:
+            verified = verify_draft(
+                processed, draft, parents, proposal.probs, seq.params.greedy, seq.generator
             )
-            self._guard(seq, "sampling", self._emit, seq, *args, handoff)
-
-    def _postprocess(self, step: _Step, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The step's cost for the controllers, and the outputs of sequences that moved."""
-        # Sampling and verification scale with the verified tokens too, so they count as step cost.
-        self.cost_model.observe_forward(step.num_tokens, time.perf_counter() - step.started, step.context)
-        for s in step.batch:
-            seq = s.seq
-            if not seq.is_finished:
-                self.block_manager.publish(seq)  # its newly committed full blocks
-            if seq.pending_token_ids or seq.is_finished:
-                outputs.append(self._output(seq))
-        return outputs
-
-    # ---- fault isolation ---------------------------------------------------------------------
-
-    def _fail(self, seq: Sequence, message: str) -> None:
-        """End one request with an error; its blocks are freed and the rest of the batch goes on."""
-        if seq.is_finished:
-            return
-        seq.error = message
-        self._finish(seq, "error", None)
-
-    def _guard(self, seq: Sequence, what: str, fn: Callable[..., object], *args: object) -> None:
-        """Run one request's part of the step; an exception fails that request alone."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            logger.exception("request %s failed while %s", seq.seq_id, what)
-            self._fail(seq, f"the engine failed while {what} ({type(exc).__name__})")
-
-    @staticmethod
-    def _quietly(fn: Callable[..., object], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            logger.exception("proposer cleanup failed")
-
-    def _drop_failed(
-        self, batch: list[ScheduledSequence], drafts: list[Proposal], outputs: list[RequestOutput]
-    ) -> tuple[list[ScheduledSequence], list[Proposal]]:
-        """Sequences that failed while drafting leave the batch before the forward pass."""
-        if all(not s.seq.is_finished for s in batch):
-            return batch, drafts
-        outputs.extend(self._output(s.seq) for s in batch if s.seq.is_finished)
-        keep = [i for i, s in enumerate(batch) if not s.seq.is_finished]
-        return [batch[i] for i in keep], [drafts[i] for i in keep]
+            tokens, path = verified.token_ids, verified.path
+        else:
+            tokens = sample(processed, rows)
+        emitted = [0, *(n + 1 for n in path)]  # logit rows behind the emitted tokens
+        emitted_rows = [rows[r] for r in emitted]
+        scored = raw[emitted]  # [len(emitted), vocab]
+        if seq.constraint is not None and seq.params.logprobs is not None:
+            # A constrained request reports the masked law's logprobs (as vLLM does).
+            allowed = torch.stack([r.allowed for r in emitted_rows if r.allowed is not None])  # [n, vocab]
+            scored = scored.masked_fill(~allowed[:, : scored.shape[-1]], float("-inf"))
+        logprobs = token_logprobs(scored, tokens, emitted_rows)
+        return Verified(seq, proposal, path, tokens, logprobs, position, hidden)
 
     def _process(
         self,
@@ -486,140 +437,6 @@ class Engine:
         usable = (processed.isfinite().any(dim=-1) & ~processed.isnan().any(dim=-1)).tolist()  # [num_rows]
         return processed, usable
 
-    # ---- a verified step's tokens ------------------------------------------------------------
-
-    def _emit(
-        self,
-        seq: Sequence,
-        proposal: Proposal,
-        raw: torch.Tensor,  # [k + 1, vocab]
-        processed: torch.Tensor,  # [k + 1, vocab]
-        rows: list[SamplingRow],
-        now: float,
-        step: tuple[int, float],  # the pass's tokens and milliseconds
-        pass_cost: tuple[float, int],  # the pass's mean keys per new token, and its drafted tokens
-        feed: tuple[Proposer, int, torch.Tensor] | None = None,  # proposer, first position, [n, hidden]
-    ) -> None:
-        draft, parents = proposal.token_ids, proposal.parents
-        path: list[int] = []  # accepted nodes
-        if draft:
-            greedy = seq.params.greedy
-            verified = verify_draft(processed, draft, parents, proposal.probs, greedy, seq.generator)
-            tokens, path = verified.token_ids, verified.path
-            if parents is not None:
-                self._keep_path(seq, path)
-        else:
-            tokens = sample(processed, rows)
-        accepted = len(path)
-        if draft:
-            # The accepted path's keys/values are valid; the rest is rewound by truncation.
-            seq.num_computed_tokens += accepted
-            self.block_manager.truncate(seq, seq.num_computed_tokens)
-        emitted = [0, *(n + 1 for n in path)]  # logit rows (= feature rows) behind the emitted tokens
-        if feed is not None:
-            proposer, start, hidden = feed
-            # Features of the positions whose tokens stand: the step's real tokens and accepted drafts.
-            real = hidden.shape[0] - len(draft)
-            proposer.observe_hidden(
-                seq.seq_id, start, hidden[[*range(real - 1), *(real - 1 + r for r in emitted)]]
-            )
-        emitted_rows = [rows[r] for r in emitted]
-        scored = raw[emitted]  # [len(emitted), vocab]
-        if seq.constraint is not None and seq.params.logprobs is not None:
-            # A constrained request reports the masked law's logprobs (as vLLM does).
-            allowed = torch.stack([r.allowed for r in emitted_rows if r.allowed is not None])  # [n, vocab]
-            scored = scored.masked_fill(~allowed[:, : scored.shape[-1]], float("-inf"))
-        lps = token_logprobs(scored, tokens, emitted_rows)
-        forced = proposal.num_forced
-        seq.stats.num_forced_draft_tokens += forced
-        if seq.spec is not None and seq.stats.spec is not None and draft:
-            cost = self._draft_cost(seq.stats.spec.method, len(draft), parents, step, pass_cost)
-            seq.spec.settle(accepted, cost)
-            # The controller learns from the proposer's own tokens, past the grammar's forced ones.
-            if parents is None:
-                if len(draft) > forced and accepted >= forced:
-                    seq.spec.observe(len(draft) - forced, accepted - forced)
-                seq.stats.spec.record(len(draft), accepted, *step)
-            else:
-                if not forced:
-                    seq.spec.observe_walk(tree_proposal.walk(parents, path, proposal.scores))
-                depth = max(draft_tree.depths(parents))
-                seq.stats.spec.record(len(draft), accepted, *step, depth=depth)
-        elif seq.spec is not None and seq.stats.spec is not None:
-            seq.spec.credit()
-        num_before = seq.num_tokens
-        for token, lp in zip(tokens, lps, strict=True):
-            self._append_token(seq, token, lp, now)
-            if seq.is_finished:
-                return
-            if seq.constraint is not None:
-                seq.constraint.advance([token])
-                # The grammar is complete: nothing but EOS could follow, so the request ends here,
-                # as plain decoding would have ended it (a bonus token past it is not emitted).
-                if seq.constraint.stopped:
-                    self._finish(seq, "stop", None)
-                    return
-        if seq.spec is not None and seq.stats.spec is not None:
-            self.proposer(seq.stats.spec.method).commit(
-                seq.seq_id, seq.token_ids, seq.num_tokens - num_before
-            )
-
-    def _draft_cost(
-        self,
-        method: str,
-        drafted: int,
-        parents: list[int] | None,
-        step: tuple[int, float],
-        pass_cost: tuple[float, int],
-    ) -> float:
-        """What a request's `drafted` tokens cost it, in passes of the size without any drafts (the
-        steps it waited for its drafts): the pass's measured time over the curve's price of the pass
-        without its drafts, its share of that by drafted tokens, and its drafting time."""
-        context, pass_drafted = pass_cost
-        num_tokens, ms = step
-        cost = self.cost_model
-        base = cost.forward_time(max(1, num_tokens - pass_drafted), context)
-        share = drafted / max(drafted, pass_drafted)
-        steps = 1
-        if self.proposer(method).autoregressive:
-            steps = max(draft_tree.depths(parents)) if parents is not None else drafted
-        extra = max(0.0, ms / 1e3 - base) * share + steps * cost.draft_time(method)
-        return extra / base
-
-    def _keep_path(self, seq: Sequence, path: list[int]) -> None:
-        """A verified tree's accepted nodes hold the positions after the root: where a node was verified
-        at another slot (off the tree's first path), its keys and values move into place."""
-        base = seq.num_computed_tokens  # the root's position + 1: node j was verified at base + j
-        moves = [(base + node, base + depth) for depth, node in enumerate(path) if node != depth]
-        if moves:
-            src, dst = zip(*moves, strict=True)
-            self.runner.keep_path(seq.block_table, src, dst)
-
-    # ---- internals ---------------------------------------------------------------------------
-
-    def _restore_features(self, seq: Sequence) -> None:
-        """A prefix-cache hit skipped the prefill of its leading blocks: a proposer drafting from
-        target features gets theirs from the runner's feature pool instead."""
-        proposer = self._feature_proposer(seq)
-        if proposer is None or self.runner.features is None:
-            return
-        n = seq.num_computed_tokens
-        self._guard(
-            seq,
-            "restoring cached target features",
-            proposer.observe_hidden,
-            seq.seq_id,
-            0,
-            self.runner.cached_features(seq.block_table, n),
-        )
-
-    def _feature_proposer(self, seq: Sequence) -> Proposer | None:
-        """The sequence's proposer if it drafts from the target's hidden states, else None."""
-        if seq.spec is None or seq.stats.spec is None:
-            return None
-        proposer = self.proposer(seq.stats.spec.method)
-        return proposer if proposer.needs_hidden else None
-
     def _forward_item(self, s: ScheduledSequence, draft: Proposal) -> ForwardItem:
         seq = s.seq
         start = seq.num_computed_tokens
@@ -628,22 +445,23 @@ class Engine:
         # A tree's root is the one real token (a speculating sequence decodes one at a time).
         return ForwardItem(tokens, start, seq.block_table, num_logits, draft.parents)
 
-    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> None:
-        seq.token_ids.append(token)
-        seq.pending_token_ids.append(token)
-        if lp is not None:
-            seq.pending_logprobs.append(lp)
-        stats = seq.stats
-        stats.num_output_tokens = seq.num_output_tokens
-        stats.token_times.append(now)
-        if stats.first_token_time is None:
-            stats.first_token_time = now
-        stats.last_token_time = now
-        detok = seq.detokenizer
-        stop_string = detok.append(token, may_stop(seq)) if detok is not None else None
-        ended = stop_after(seq, token, stop_string, self.max_model_len, self.eos_token_ids)
-        if ended is not None:
-            self._finish(seq, *ended)
+    # ---- fault isolation and a sequence's end ------------------------------------------------
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End one request with an error; its blocks are freed and the rest of the batch goes on."""
+        if seq.is_finished:
+            return
+        seq.error = message
+        self._finish(seq, "error", None)
+
+    def _guard(self, seq: Sequence, what: str, fn: Callable[..., T], *args: object) -> T | None:
+        """Run one request's part of the step; an exception fails that request alone (None then)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            logger.exception("request %s failed while %s", seq.seq_id, what)
+            self._fail(seq, f"the engine failed while {what} ({type(exc).__name__})")
+            return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
         seq.finish_reason = reason
@@ -655,33 +473,4 @@ class Engine:
             live.remove(seq)
             if not live:
                 del self._requests[seq.request_id]
-        if seq.stats.spec is not None:
-            self._quietly(self.proposer(seq.stats.spec.method).finish, seq.seq_id, seq.token_ids)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.status is SequenceStatus.FINISHED
-        if finished and seq.stats.finished_time is None:
-            seq.stats.finished_time = time.monotonic()
-        try:
-            text = seq.detokenizer.take(finished) if seq.detokenizer is not None else ""
-        except Exception as exc:
-            logger.exception("request %s failed while its text was decoded", seq.seq_id)
-            text = ""
-            if not finished:
-                self._fail(seq, f"the engine failed while decoding text ({type(exc).__name__})")
-                finished = True
-                seq.stats.finished_time = time.monotonic()
-        out = RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=seq.pending_token_ids,
-            new_text=text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stats=seq.stats.snapshot(),  # the caller may read it on another thread
-            stop_reason=seq.stop_reason,
-            logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
-            error=seq.error,
-            index=seq.index,
-        )
-        seq.pending_token_ids, seq.pending_logprobs = [], []
-        return out
+        self.speculation.finish(seq)

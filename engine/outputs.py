@@ -1,9 +1,14 @@
-"""What `Engine.step()` returns: new tokens per request plus the request's counters."""
+"""What `Engine.step()` returns: per sequence and step, what is new (tokens, text, logprobs and the
+few facts a client reads while the request runs); once, on its finished output, the request's
+counters. A step's output is the size of its news, so a request's outputs add up to the size of the
+request, however many steps it takes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+from specgate.engine.vocab import SpecStep
 
 
 @dataclass(slots=True)
@@ -23,14 +28,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
-    per_step_drafted: list[int] = field(default_factory=list)
-    per_step_accepted: list[int] = field(default_factory=list)
-    per_step_batch_tokens: list[int] = field(default_factory=list)  # tokens in the whole forward pass
-    per_step_ms: list[float] = field(default_factory=list)  # that pass's forward time
-    # Draft trees: steps whose draft branched, and per step the draft's depth (its length for a chain;
-    # per_step_drafted is then the tree's node count and per_step_accepted the accepted depth).
-    num_tree_drafts: int = 0
-    per_step_depth: list[int] = field(default_factory=list)
+    num_tree_drafts: int = 0  # steps whose draft branched
+    # Every verification step, in order (a tree's: its nodes drafted, its accepted depth).
+    steps: list[SpecStep] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -53,73 +53,47 @@ class SpecStats:
         """Accepted drafts (the accepted path's depth, for a tree) per verification step."""
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    def record(
-        self,
-        drafted: int,
-        accepted: int,
-        batch_tokens: int = 0,
-        step_ms: float = 0.0,
-        depth: int | None = None,  # a tree's depth; None: a chain of `drafted` tokens
-    ) -> None:
+    def record(self, step: SpecStep) -> None:
         self.num_drafts += 1
-        if depth is not None:
-            self.num_tree_drafts += 1
-        deepest = drafted if depth is None else depth
-        self.per_step_depth.append(deepest)
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        if len(self.num_accepted_tokens_per_pos) < deepest:  # by depth: position i is depth i + 1
-            self.num_accepted_tokens_per_pos.extend([0] * (deepest - len(self.num_accepted_tokens_per_pos)))
-        for i in range(accepted):
-            self.num_accepted_tokens_per_pos[i] += 1
-        self.per_step_drafted.append(drafted)
-        self.per_step_accepted.append(accepted)
-        self.per_step_batch_tokens.append(batch_tokens)
-        self.per_step_ms.append(step_ms)
+        self.num_tree_drafts += int(step.tree)
+        self.num_draft_tokens += step.drafted
+        self.num_accepted_tokens += step.accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < step.depth:  # by depth: position i is depth i + 1
+            per_pos.extend([0] * (step.depth - len(per_pos)))
+        for i in range(step.accepted):
+            per_pos[i] += 1
+        self.steps.append(step)
 
 
 @dataclass(slots=True)
 class RequestStats:
-    """Per-request counters; times are `time.monotonic()` seconds."""
+    """Per-request counters. Times are `time.monotonic()` seconds, named `*_ts` as vLLM's engine
+    names its monotonic stamps: the gateway's `arrival_time` / `first_token_time` / `finished_time`
+    are unix seconds, and a response's `metrics` turns these into those."""
 
-    arrival_time: float
+    arrival_ts: float
     num_prompt_tokens: int
     num_output_tokens: int = 0
     # Prompt tokens whose keys / values came from the prefix cache (not prefilled by this request).
     num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    last_token_ts: float | None = None
+    finished_ts: float | None = None
     num_steps: int = 0  # forward passes this request took part in
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     # Drafted tokens a grammar forced (verified like any draft, drafted by no proposer); speculating
     # requests count them in `spec` too.
     num_forced_draft_tokens: int = 0
-    token_times: list[float] = field(default_factory=list)  # when each output token was emitted
     spec: SpecStats | None = None
-
-    def snapshot(self) -> RequestStats:
-        """A copy the caller may keep while the engine goes on updating the original."""
-        spec = None
-        if self.spec is not None:
-            spec = replace(
-                self.spec,
-                num_accepted_tokens_per_pos=list(self.spec.num_accepted_tokens_per_pos),
-                per_step_drafted=list(self.spec.per_step_drafted),
-                per_step_accepted=list(self.spec.per_step_accepted),
-                per_step_batch_tokens=list(self.spec.per_step_batch_tokens),
-                per_step_ms=list(self.spec.per_step_ms),
-                per_step_depth=list(self.spec.per_step_depth),
-            )
-        return replace(self, token_times=list(self.token_times), spec=spec)
 
     @classmethod
     def merged(cls, stats: Sequence[RequestStats]) -> RequestStats:
         """The counters of one request's n sequences (parallel sampling) as one request's: output
-        tokens, preemptions, forced drafts and speculation counters summed (per-step lists one
-        sequence after another), the earliest start and first token, the latest last token and
+        tokens, preemptions, forced drafts and speculation counters summed (their verification steps
+        one sequence after another), the earliest start and first token, the latest last token and
         finish; the prompt and its cached tokens are the first sequence's (it prefilled the prompt).
         `tpot` of the result spreads the time over every sequence's tokens: a throughput, not any
         one choice's time per token."""
@@ -146,57 +120,56 @@ class RequestStats:
                 num_draft_tokens=sum(s.num_draft_tokens for s in specs),
                 num_accepted_tokens=sum(s.num_accepted_tokens for s in specs),
                 num_accepted_tokens_per_pos=per_pos,
-                per_step_drafted=[x for s in specs for x in s.per_step_drafted],
-                per_step_accepted=[x for s in specs for x in s.per_step_accepted],
-                per_step_batch_tokens=[x for s in specs for x in s.per_step_batch_tokens],
-                per_step_ms=[x for s in specs for x in s.per_step_ms],
                 num_tree_drafts=sum(s.num_tree_drafts for s in specs),
-                per_step_depth=[x for s in specs for x in s.per_step_depth],
+                steps=[step for s in specs for step in s.steps],
             )
-        unfinished = any(s.finished_time is None for s in stats)
-        finished = None if unfinished else latest(s.finished_time for s in stats)
+        unfinished = any(s.finished_ts is None for s in stats)
+        finished = None if unfinished else latest(s.finished_ts for s in stats)
         return cls(
-            arrival_time=min(s.arrival_time for s in stats),
+            arrival_ts=min(s.arrival_ts for s in stats),
             num_prompt_tokens=first.num_prompt_tokens,
             num_output_tokens=sum(s.num_output_tokens for s in stats),
             num_cached_tokens=first.num_cached_tokens,
-            first_scheduled_time=earliest(s.first_scheduled_time for s in stats),
-            first_token_time=earliest(s.first_token_time for s in stats),
-            last_token_time=latest(s.last_token_time for s in stats),
-            finished_time=finished,
+            scheduled_ts=earliest(s.scheduled_ts for s in stats),
+            first_token_ts=earliest(s.first_token_ts for s in stats),
+            last_token_ts=latest(s.last_token_ts for s in stats),
+            finished_ts=finished,
             num_steps=max(s.num_steps for s in stats),
             num_prefill_chunks=first.num_prefill_chunks,
             num_preemptions=sum(s.num_preemptions for s in stats),
             num_forced_draft_tokens=sum(s.num_forced_draft_tokens for s in stats),
-            token_times=sorted(t for s in stats for t in s.token_times),
             spec=spec,
         )
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return None if self.scheduled_ts is None else self.scheduled_ts - self.arrival_ts
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return None if self.first_token_ts is None else self.first_token_ts - self.arrival_ts
 
     @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
-        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+        if self.first_token_ts is None or self.last_token_ts is None or self.num_output_tokens < 2:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.last_token_ts - self.first_token_ts) / (self.num_output_tokens - 1)
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One sequence's news from one step (vLLM v1's per-step delta). `stats` is None until the
+    sequence's finished output, which carries its counters once: what a client needs while the
+    request runs comes with every output, and is small."""
+
     request_id: str
     new_token_ids: list[int]
     # Text that became final this step; text that may still turn into a stop string is held back.
     new_text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    stats: RequestStats
+    stats: RequestStats | None = None  # the sequence's counters: on its finished output only
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
@@ -205,3 +178,12 @@ class RequestOutput:
     # Which of the request's n sequences this is (SamplingParams.n, parallel sampling); each
     # sequence's outputs come on their own, `finished` when that sequence is.
     index: int = 0
+    # Prompt tokens whose keys / values came from the prefix cache: known once the prompt is
+    # scheduled, so that a request cancelled before it finishes still reports them.
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.stats is not None) != self.finished:
+            raise ValueError("a sequence's counters come with its finished output, and only with it")
+        if self.index < 0 or self.num_cached_tokens < 0:
+            raise ValueError("index and num_cached_tokens must be non-negative")

@@ -28,7 +28,8 @@ class SamplingRow:
     generator: torch.Generator | None
     # Tokens that must not be drawn here, e.g. EOS and stop tokens before min_tokens is reached.
     suppress_token_ids: Sequence[int] = ()
-    # [vocab] bool: the tokens a grammar allows here (engine/constraint.py); None: all of them.
+    # [vocab] bool: the tokens a grammar allows here (engine/structured_output/constraint.py); None:
+    # all of them.
     allowed: torch.Tensor | None = None
 
 

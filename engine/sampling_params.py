@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specgate.engine.grammar import Grammar
+from specgate.engine.structured_output.grammar import Grammar
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample as greedy: dividing logits by 1e-50 overflows to inf, and the

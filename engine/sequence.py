@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specgate.engine.constraint import Constraint
 from specgate.engine.detokenizer import IncrementalDetokenizer
 from specgate.engine.outputs import RequestStats, TokenLogprob
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.controller import SpecState
+from specgate.engine.structured_output.constraint import Constraint
+from specgate.engine.vocab import SpecParams
 
 
 class SequenceStatus(enum.Enum):
@@ -30,7 +30,8 @@ class Sequence:
     generator: torch.Generator | None
     stats: RequestStats
     detokenizer: IncrementalDetokenizer | None = None
-    spec: SpecState | None = None  # None: this request never speculates
+    # Its speculation settings (its controller's state is spec_decode's); None: it never speculates.
+    spec: SpecParams | None = None
     constraint: Constraint | None = None  # the grammar's state; None: unconstrained
     # Prefix-cache salt: KV blocks are shared only between requests with the same salt; None: none.
     prefix_salt: str | None = ""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,24 +171,25 @@ class Services:
             services.metrics.watch_writer(store.counters, store.queue_size)
         return services
 
-    def complete(self, record: RequestRecord) -> None:
+    def complete(self, record: RequestRecord, prefix_blocks: Sequence[int] | None = None) -> None:
         """The request is over (the middleware calls this once, whatever happened): count its
-        record and hand it to the sinks."""
+        record and hand it to the sinks. `prefix_blocks`: the prompt's block hashes where prefix
+        affinity read them (`Plan.prefix_blocks`), for it to learn from how the request went."""
         try:
             self.metrics.observe(record)
         except Exception:  # a metrics bug must not cost the row
             logger.exception("counting request %s failed", record.request_id)
         route = record.route
-        if route is not None and route.prefix_blocks:
+        if route is not None and prefix_blocks:
             try:
                 if record.outcome == "ok":
-                    self.router.affinity.observe(route, record.cached_tokens, record.prompt_tokens)
+                    self.router.affinity.observe(
+                        route, prefix_blocks, record.cached_tokens, record.prompt_tokens
+                    )
                 else:
-                    self.router.affinity.undo(route)
+                    self.router.affinity.undo(route, prefix_blocks)
             except Exception:  # nor may the prefix index's
                 logger.exception("updating the prefix index for %s failed", record.request_id)
-            # Up to max_prompt_blocks hashes: not worth keeping with every recent record.
-            route.prefix_blocks = None
         self.submit(record)
         if self.settings.log_requests:
             logger.info(
@@ -258,7 +260,7 @@ class Services:
         if embedded is not None and embedded.client is not None:
             w = embedded.client
             self.metrics.refresh_engine(
-                w.num_waiting, w.load.num_running, w.load.kv_usage, w.load.kv_blocks_used
+                w.num_waiting, w.load.num_running, w.load.kv_cache_usage, w.load.kv_blocks_used
             )
 
     def cache_scope(self, key_id: str | None, addr: str) -> str | None:
@@ -299,15 +301,8 @@ class Services:
         if embedded is None or embedded.client is None:
             return Load(backends=backends)
         w = embedded.client
-        return Load(
-            engine=True,
-            queue_depth=w.num_waiting,
-            running=w.load.num_running,
-            batch_tokens=w.load.batch_tokens,
-            kv_usage=min(1.0, max(0.0, w.load.kv_usage)),
-            step_ms=w.load.step_time * 1e3,
-            backends=backends,
-        )
+        # Waiting: what the engine reported, plus this worker's submissions it has not taken yet.
+        return Load(engine=dataclasses.replace(w.load, num_waiting=w.num_waiting), backends=backends)
 
 
 def salted(scope: str, cache_salt: str) -> str:

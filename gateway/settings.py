@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 
 if TYPE_CHECKING:
     from specgate.engine.config import EngineConfig
@@ -224,7 +224,7 @@ class AffinitySettings(BaseModel):
     min_match_blocks: int = Field(4, ge=1, le=65536)
     # What one request in flight weighs against prefill: a replica with one more request in flight
     # is worth this many uncached prompt tokens. Lower keeps prompts with their cached prefix more;
-    # higher spreads them by load more (bench/bench_pools.py measures both).
+    # higher spreads them by load more (`specgate bench pools` measures both).
     tokens_per_request: float = Field(256.0, gt=0.0, le=1e7)
     chars_per_token: float = Field(4.0, gt=0.0, le=64.0)  # to turn unmatched characters into tokens
     # Blocks remembered per replica (LRU): about its KV-cache tokens / (block_chars / chars_per_token),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specgate.engine.vocab import SpecParams
 from specgate.policies.arms import Arm
 from specgate.policies.load import Load
 
@@ -72,10 +74,9 @@ class DecisionContext:
 class Decision:
     arm: Arm
     reason: str
-    k_min: int = 0
-    k_max: int = 0
-    controller: str = "goodput"
-    acceptance_prior: float | None = None
+    # How the embedded engine speculates for this arm ("off" for its plain arm); None for an external
+    # arm, whose server speculates as it does.
+    spec: SpecParams | None = None
     explored: bool = False
     # Per arm key: predicted output tokens/s (mean, spread) and TPOT, where a model predicted.
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -96,10 +97,7 @@ class Decision:
             "arm": self.arm.key,
             "backend": self.arm.backend,
             "method": self.arm.method,
-            "k_min": self.k_min,
-            "k_max": self.k_max,
-            "controller": self.controller,
-            "acceptance_prior": self.acceptance_prior,
+            "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
             "explored": self.explored,
             "reason": self.reason,
             "predictions": self.predictions,

@@ -3,10 +3,12 @@ exploration so that the telemetry covers the arms the rules do not pick."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping
 
 from specgate.engine.step_cost import StepCost
+from specgate.engine.vocab import SpecParams
 from specgate.policies.arms import OFF, Arm
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
@@ -110,20 +112,17 @@ class RulePolicy:
     def finish(self, ctx: DecisionContext, arm: Arm, reason: str, explored: bool) -> Decision:
         rule = self.rules.rule_for(ctx.label, ctx.confidence)
         prior = prior_for(ctx, self.priors, arm)
+        if arm.external:  # an external server speculates as it does
+            return Decision(arm=arm, reason=reason, explored=explored)
+        if not arm.speculative:
+            spec = SpecParams(OFF, rule.controller, k_min=0, k_max=0)
+            return Decision(arm=arm, reason=reason, spec=spec, explored=explored)
         k_min, k_max = rule.k_range
-        if not arm.speculative or arm.external:  # an external server sets its own K
-            k_min = k_max = 0
-        elif self.cost is not None:
+        if self.cost is not None:
             # K no longer than what pays at this batch, by the measured step cost.
             k_max = max(1, min(k_max, best_k(ctx, self.rules, self.cost, self.priors, arm) or k_max))
             k_min = min(k_min, k_max)
-        return Decision(
-            arm=arm,
-            reason=reason,
-            k_min=k_min,
-            k_max=k_max,
-            controller=rule.controller,
-            # Measured for the request's band, else its class; the engine's own default otherwise.
-            acceptance_prior=prior.value if k_max and prior.source != "default" else None,
-            explored=explored,
-        )
+        spec = SpecParams(arm.method, rule.controller, k_min=k_min, k_max=k_max)
+        if prior.source != "default":  # measured for the request's band, else its class
+            spec = dataclasses.replace(spec, acceptance_prior=prior.value)
+        return Decision(arm=arm, reason=reason, spec=spec, explored=explored)

@@ -13,10 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from specgate.engine.vocab import check_controller, check_k_range
 from specgate.policies.arms import OFF, UPSTREAM
 from specgate.policies.classes import WORKLOAD_CLASSES, check_class
-
-CONTROLLERS = ("goodput", "static", "heuristic")
 
 
 @dataclass(slots=True)
@@ -29,10 +28,8 @@ class ClassRule:
     def __post_init__(self) -> None:
         if not self.method or self.method == UPSTREAM:
             raise ValueError("method must be a proposer name or 'off'")
-        if not 0 <= self.k_min <= self.k_max <= 64:
-            raise ValueError(f"need 0 <= k_min <= k_max <= 64, got k_min={self.k_min}, k_max={self.k_max}")
-        if self.controller not in CONTROLLERS:
-            raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}")
+        check_k_range(self.k_min, self.k_max)
+        check_controller(self.controller)
 
     @property
     def k_range(self) -> tuple[int, int]:

@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers, the rejection sampler and draft-length controllers."""
+"""Speculative decoding: the proposers, a step's drafts and draft trees, the draft-length
+controllers, the rejection sampler, and what a verification leaves to speculation."""

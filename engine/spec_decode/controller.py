@@ -31,9 +31,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specgate.engine.draft_tree import children, depths, first_path, ranks
 from specgate.engine.spec_decode.cost_model import CostModel
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.spec_decode.draft_tree import children, depths, first_path, ranks
+from specgate.engine.vocab import K_MAX, SpecParams
 
 ACCEPTANCE_EWMA = 0.15
 # A request may lose this many steps to speculation before it stops drafting (the exploration a
@@ -203,7 +203,9 @@ def choose_k(
     # Fixed-length drafts count too: their expected tokens set the goodput a new token must beat.
     expected = float(num_emitting) + sum(_gain(c.state, k) for c, k in zip(candidates, ks, strict=True))
     step = cost.forward_time(total, context) + draft.seconds
-    heap = [(-_marginal(candidates[i].state, ks[i]), i) for i in dynamic if ks[i] < _clamp(64, candidates[i])]
+    heap = [
+        (-_marginal(candidates[i].state, ks[i]), i) for i in dynamic if ks[i] < _clamp(K_MAX, candidates[i])
+    ]
     heapq.heapify(heap)
     while heap and total - num_tokens < budget:
         neg_gain, i = heapq.heappop(heap)
@@ -217,7 +219,7 @@ def choose_k(
         expected += gain
         draft.add(c)
         step = new_step
-        if ks[i] < _clamp(64, c):
+        if ks[i] < _clamp(K_MAX, c):
             heapq.heappush(heap, (-_marginal(c.state, ks[i]), i))
     return ks
 
@@ -237,7 +239,9 @@ def _gain(state: SpecState, k: int) -> float:
 @dataclass(slots=True)
 class TreeCandidate:
     state: SpecState
-    parents: Sequence[int]  # the proposer's tree (engine/draft_tree.py), at most the k chosen deep
+    parents: Sequence[
+        int
+    ]  # the proposer's tree (engine/spec_decode/draft_tree.py), at most the k chosen deep
     cap: int  # at most this many nodes in all (KV room)
     scores: Sequence[float] | None = None  # the proposer's per-node scores (Proposal.scores)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from specgate.engine.draft_tree import depth_first, path_to, reorder, subtree
 from specgate.engine.model_runner import ModelRunner
 from specgate.engine.sampler import process_logits
+from specgate.engine.spec_decode.draft_tree import depth_first, path_to, reorder, subtree
 from specgate.engine.spec_decode.eagle_head import EagleHead
 from specgate.engine.spec_decode.eagle_io import default_head_dir, load_head
 from specgate.engine.spec_decode.proposer import (

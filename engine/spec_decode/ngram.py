@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specgate.engine.draft_tree import TreeBuilder
+from specgate.engine.spec_decode.draft_tree import TreeBuilder
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, ProposerContext
 
 

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from specgate.engine.constraint import Constraint
 from specgate.engine.sampler import SamplingRow
+from specgate.engine.structured_output.constraint import Constraint
 
 
 @dataclass(slots=True)
@@ -41,14 +41,14 @@ class Proposal:
     # for a deterministic proposer (a point mass on each drafted token). In a tree, row i is the
     # law node i's token was drawn from given its siblings before it.
     probs: torch.Tensor | None = None
-    # A draft tree (engine/draft_tree.py): per node its parent node, -1 for a child of
+    # A draft tree (engine/spec_decode/draft_tree.py): per node its parent node, -1 for a child of
     # the root, in depth-first order with each node's best child first. None: a chain.
     parents: list[int] | None = None
     # Per node of a tree, the proposer's estimate that the target picks its token after its parent
     # (a draft probability, a continuation's frequency); None: no estimate.
     scores: list[float] | None = None
-    # Leading nodes of the first path that the grammar forced (engine/constraint.py): point masses
-    # that cost no proposer time, verified like any draft.
+    # Leading nodes of the first path that the grammar forced (engine/structured_output/constraint.py):
+    # point masses that cost no proposer time, verified like any draft.
     num_forced: int = 0
 
 

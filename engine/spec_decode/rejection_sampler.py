@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgate.engine.draft_tree import children
+from specgate.engine.spec_decode.draft_tree import children
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from specgate.engine.draft_tree import TreeBuilder
+from specgate.engine.spec_decode.draft_tree import TreeBuilder
 
 
 class Node:

@@ -4,7 +4,7 @@ it that the controller learns from. Pure functions on `Proposal`."""
 
 from __future__ import annotations
 
-from specgate.engine import draft_tree
+from specgate.engine.spec_decode import draft_tree
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest
 
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams, SpecStep
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from specgate.policies.load import BackendLoad
@@ -44,8 +44,8 @@ class Observation:
     # llama.cpp `timings`.
     upstream: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0  # upstream attempts made, retries included
-    # Per verification step: (k proposed, accepted, batch tokens, forward ms); embedded engine only.
-    spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    # Per verification step, as the engine measured it; embedded engine only.
+    spec_steps: list[SpecStep] = field(default_factory=list)
     # Choices the backend generated for the call (the embedded engine's n > 1: the counts above
     # cover all of them; the record's time per output token is each choice's).
     n: int = 1

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from specgate.engine.spec_decode.params import CONTROLLERS
+from specgate.engine.vocab import CONTROLLERS
 from specgate.gateway.cli.common import add_chat_template_args, add_weight_args, quiet_transformers
 from specgate.gateway.settings import default_cache_dir
 
@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     spec = None
     if args.spec != "off":
-        from specgate.engine.spec_decode.params import SpecParams
+        from specgate.engine.vocab import SpecParams
 
         spec = SpecParams(
             method=args.spec,
@@ -111,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 final = out
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
-    if final is not None:
+    if final is not None and final.stats is not None:
         n = final.stats.num_output_tokens
         line = f"{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={final.finish_reason}"
         if final.stats.spec is not None:

@@ -8,36 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from specgate.gateway.cli.bench import add_bench_parser
 from specgate.gateway.cli.eagle import add_eagle_parser
 from specgate.gateway.cli.generate import add_generate_parser
 from specgate.gateway.cli.policy import add_policy_parser
 from specgate.gateway.cli.serve import add_serve_parser
 
 logger = logging.getLogger("specgate")
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from specgate.bench.serve.harness import run
-
-    return run(args)
-
-
-def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from specgate.bench.soak import run
-
-    return run(args)
-
-
-def cmd_bench_exhaustion(args: argparse.Namespace) -> int:
-    from specgate.bench.bench_exhaustion import run
-
-    return run(args)
-
-
-def cmd_bench_families(args: argparse.Namespace) -> int:
-    from specgate.bench.families import run
-
-    return run(args)
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -68,31 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_serve_parser(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    bench_serve = bench.add_parser("serve", help="replay workloads through a live gateway and report")
-    from specgate.bench.serve.options import add_arguments
-
-    add_arguments(bench_serve)
-    bench_serve.set_defaults(func=cmd_bench_serve)
-    soak = bench.add_parser("soak", help="sustained hostile load with failures; reports what was lost")
-    from specgate.bench.soak import add_arguments as add_soak_arguments
-
-    add_soak_arguments(soak)
-    soak.set_defaults(func=cmd_bench_soak)
-    exhaustion = bench.add_parser(
-        "exhaustion", help="a victim tenant streams while other clients try to exhaust the gateway"
-    )
-    from specgate.bench.bench_exhaustion import add_arguments as add_exhaustion_arguments
-
-    add_exhaustion_arguments(exhaustion)
-    exhaustion.set_defaults(func=cmd_bench_exhaustion)
-    families = bench.add_parser(
-        "families", help="each model family's GGUF file: llama.cpp's llama-server against specgate serve"
-    )
-    from specgate.bench.families import add_arguments as add_families_arguments
-
-    add_families_arguments(families)
-    families.set_defaults(func=cmd_bench_families)
+    add_bench_parser(sub)
 
     db = sub.add_parser("db", help="telemetry database schema (Alembic)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])

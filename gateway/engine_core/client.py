@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import LoadSnapshot, SpecParams
 from specgate.gateway.engine_core.channel import AsyncChannel
 from specgate.gateway.engine_core.core import EngineCore
 from specgate.gateway.engine_core.messages import (
@@ -37,7 +37,6 @@ from specgate.gateway.engine_core.messages import (
     AbortRequest,
     AddRequest,
     Batch,
-    EngineLoad,
     EngineUnavailable,
     Item,
     LoadFailed,
@@ -58,7 +57,7 @@ class EngineLoadFailed(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self) -> None:
-        self.load = EngineLoad()
+        self.load = LoadSnapshot()
         self.state = READY
         self.rebuilds = 0
         self.last_error: str | None = None

@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
 from specgate.engine.errors import RequestError
+from specgate.engine.vocab import LoadSnapshot
 from specgate.gateway.engine_core.messages import (
     READY,
     REBUILDING,
     AbortRequest,
     AddRequest,
     Batch,
-    EngineLoad,
     EngineUnavailable,
     Item,
     Request,
@@ -67,7 +67,7 @@ class EngineCore:
     ) -> None:
         self.engine = engine
         self.factory = factory
-        self.load = EngineLoad()
+        self.load = LoadSnapshot()
         self.state = READY
         self.last_error: str | None = None
         self.rebuilds = 0
@@ -106,29 +106,17 @@ class EngineCore:
         self._connections.publish(batch)
 
     def _step(self, deliveries: list[tuple[str, Item]]) -> None:
-        t0 = time.perf_counter()
         outputs = self.engine.step()
-        dt = time.perf_counter() - t0
         self._step_failures = 0
         for out in outputs:
             deliveries.append((out.request_id, out))
-        self._refresh_load(sum(len(o.new_token_ids) for o in outputs), dt)
+        self._refresh_load()
 
-    def _refresh_load(self, batch_tokens: int, step_time: float) -> None:
+    def _refresh_load(self) -> None:
         try:
-            stats = self.engine.stats()
+            self.load = self.engine.load()
         except Exception:
-            self.load = EngineLoad()
-            return
-        self.load = EngineLoad(
-            stats.num_waiting,
-            stats.num_running,
-            stats.kv_usage,
-            batch_tokens,
-            step_time,
-            self.load.steps + 1,
-            stats.kv_blocks_used,
-        )
+            self.load = LoadSnapshot()
 
     def _drain(self, block: bool, deliveries: list[tuple[str, Item]]) -> int:
         taken = 0
@@ -166,7 +154,7 @@ class EngineCore:
             logger.exception("engine cleanup after a failed step also failed")
             self._step_failures = self._max_step_failures  # its state is suspect: rebuild it
         error = RuntimeError(f"engine step failed: {type(exc).__name__}")
-        self._refresh_load(0, 0.0)
+        self._refresh_load()
         return [(rid, error) for rid in failed]
 
     def _rebuild(self) -> None:
@@ -183,7 +171,7 @@ class EngineCore:
             self._step_failures = self.engine.consecutive_forward_failures = 0
             return
         self.state = REBUILDING
-        self.load = EngineLoad()
+        self.load = LoadSnapshot()
         self._send([(rid, unavailable) for rid in held], 0)
         # Let the broken engine (weights, KV pool) go before the new one is built beside it.
         self.engine = cast("Engine", None)

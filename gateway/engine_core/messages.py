@@ -3,8 +3,11 @@
 A client sends `AddRequest`, `AbortRequest` or `Shutdown`; the core answers a connection once with
 its `ModelInfo` (or `LoadFailed`), then sends one `Batch` per step: that step's outputs and refusals
 together with the engine's load and state after it, so a client's view of the engine is always one
-consistent snapshot. Everything here pickles (over a socket, the shared core's messages do) and
-imports no torch: a gateway worker unpickles these without ever loading the engine.
+consistent snapshot. A step's outputs are that step's news (`RequestOutput`: new tokens, text,
+logprobs); a sequence's counters come once, with its finished output, so the bytes a request costs
+the connection grow with its tokens, not with its steps times its tokens. Everything here pickles
+(over a socket, the shared core's messages do) and imports no torch: a gateway worker unpickles
+these without ever loading the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from specgate.engine.outputs import RequestOutput
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import LoadSnapshot, SpecParams
 
 Item = RequestOutput | BaseException
 READY, REBUILDING = "ready", "rebuilding"
@@ -74,25 +77,12 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The engine's load as of its last step."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
-    batch_tokens: int = 0
-    step_time: float = 0.0
-    steps: int = 0
-    kv_blocks_used: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's news for a client."""
 
     deliveries: list[tuple[str, Item]]
     taken: int  # submissions the engine took (admitted or refused) since the last batch
-    load: EngineLoad
+    load: LoadSnapshot  # the engine's, after this step
     state: str = READY
     rebuilds: int = 0
     last_error: str | None = None

@@ -203,7 +203,7 @@ class GatewayMiddleware:
                     services.refusals.charge(bucket)
                 if tracker is not None:
                     services.metrics.in_flight.dec()
-                    services.complete(tracker.finish(status, escaped))
+                    services.complete(tracker.finish(status, escaped), tracker.prefix_blocks)
 
     @staticmethod
     def _refused(services: Any, scope: Scope, headers: dict[bytes, bytes], bucket: str) -> bool:

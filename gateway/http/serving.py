@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -66,8 +66,10 @@ async def handle(
     try:
         slo = svc.slo(caller.key_id, request.headers)
         prefix_salt = svc.prefix_salt(caller.key_id, ctx.client_addr, parsed.cache_salt)
-        decision = tracker.decision = svc.router.route(parsed, load, slo, prefix_salt)
-        svc.router.admit(decision)
+        plan = svc.router.plan(parsed, load, slo=slo, scope=prefix_salt)
+        decision = tracker.decision = plan.route
+        tracker.prefix_blocks = plan.prefix_blocks
+        svc.router.admit(plan)
         call = tracker.call = BackendCall(
             request_id=ctx.request_id,
             kind=kind,
@@ -168,7 +170,7 @@ async def _events(
         await done()
 
 
-def _note_failover(svc: Services, call: BackendCall, backend: Backend, order: list[str]) -> bool:
+def _note_failover(svc: Services, call: BackendCall, backend: Backend, order: Sequence[str]) -> bool:
     """Count a failover (dispatch named the serving backend on the call); whether it is external."""
     if order and backend.name != order[0]:
         svc.metrics.failovers.labels(svc.metrics.model_label(call.model)).inc()

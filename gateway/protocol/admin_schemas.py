@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specgate.engine.vocab import K_MAX
 from specgate.gateway.protocol.schemas import Controller
 from specgate.policies.classes import WORKLOAD_CLASSES
 
@@ -17,8 +18,8 @@ class ClassRulePatch(BaseModel):
     method: str | None = Field(
         None, min_length=1, max_length=64, description='a proposer ("ngram", "suffix", ...) or "off"'
     )
-    k_min: int | None = Field(None, ge=0, le=64)
-    k_max: int | None = Field(None, ge=0, le=64)
+    k_min: int | None = Field(None, ge=0, le=K_MAX)
+    k_max: int | None = Field(None, ge=0, le=K_MAX)
     controller: Controller | None = None
 
 

@@ -158,11 +158,11 @@ def metrics_from_stats(stats: RequestStats, route: RouteDecision | None) -> dict
         return None if t is None else t + shift
 
     out: dict[str, Any] = {
-        "arrival_time": wall(stats.arrival_time),
-        "first_scheduled_time": wall(stats.first_scheduled_time),
-        "first_token_time": wall(stats.first_token_time),
-        "last_token_time": wall(stats.last_token_time),
-        "finished_time": wall(stats.finished_time),
+        "arrival_time": wall(stats.arrival_ts),
+        "first_scheduled_time": wall(stats.scheduled_ts),
+        "first_token_time": wall(stats.first_token_ts),
+        "last_token_time": wall(stats.last_token_ts),
+        "finished_time": wall(stats.finished_ts),
         "time_in_queue": stats.queue_time,
         "ttft": stats.ttft,
         "tpot": stats.tpot,

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from specgate.engine.spec_decode.params import CONTROLLERS
+from specgate.engine.vocab import CONTROLLERS, K_MAX, check_controller
 
 # Limits shared with the engine-facing checks (embedded_prompt) and the tests.
 INT32_MAX = 2**31 - 1
@@ -42,7 +42,6 @@ MAX_PROMPTS = 128
 # one by one (that alone costs ~0.1 s per million, holding the GIL).
 MAX_PROMPT_TOKEN_IDS = 262_144
 MAX_LOGPROBS = 20
-MAX_SPEC_K = 64
 MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 _TOKEN_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")
@@ -51,12 +50,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 def _controller(value: str) -> str:
-    if value not in CONTROLLERS:
-        raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}")
+    check_controller(value)
     return value
 
 
-# The engine's controller names, the one list (engine/spec_decode/params.py).
+# The engine's controller names, the one list (engine/vocab.py).
 Controller = Annotated[
     str, AfterValidator(_controller), WithJsonSchema({"type": "string", "enum": list(CONTROLLERS)})
 ]
@@ -104,11 +102,11 @@ class SpecRequest(BaseModel):
     # "off" disables speculation; other names must be methods the operator allows (policy.methods).
     method: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     controller: Controller | None = None
-    k_min: int | None = Field(None, ge=0, le=MAX_SPEC_K)
-    k_max: int | None = Field(None, ge=0, le=MAX_SPEC_K)
-    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+    k_min: int | None = Field(None, ge=0, le=K_MAX)
+    k_max: int | None = Field(None, ge=0, le=K_MAX)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=K_MAX)
     # Draft trees: at most this many drafted nodes per step (0: chains only).
-    max_tree_nodes: int | None = Field(None, ge=0, le=MAX_SPEC_K)
+    max_tree_nodes: int | None = Field(None, ge=0, le=K_MAX)
 
     @model_validator(mode="after")
     def _bounds(self) -> SpecRequest:
@@ -117,7 +115,8 @@ class SpecRequest(BaseModel):
         return self
 
 
-MAX_GRAMMAR_CHARS = 128 * 1024  # a schema or grammar's text (engine/grammar.py has the same bound)
+# A schema or grammar's text (engine/structured_output/grammar.py has the same bound).
+MAX_GRAMMAR_CHARS = 128 * 1024
 MAX_CHOICES = 1024
 Grammar = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 Schema = dict[str, Any] | bool | Grammar  # a JSON schema, as an object or as its JSON text

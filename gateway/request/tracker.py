@@ -31,7 +31,10 @@ class RequestTracker:
     body_bytes: int = 0
     stream: bool = False
     load: Load | None = None  # the load the router saw
-    decision: RouteDecision | None = None
+    decision: RouteDecision | None = None  # as the router planned it (dispatch names who served)
+    # The prompt's block hashes where prefix affinity read them: for the affinity to learn from once
+    # the request is over, never recorded.
+    prefix_blocks: tuple[int, ...] | None = None
     call: BackendCall | RelayCall | None = None  # a RelayCall: a pass-through (embeddings, rerank)
     overhead_ms: float | None = None  # gateway time before the backend was called
     outcome: Outcome = "ok"  # decided along the way only by what the status cannot tell
@@ -63,6 +66,11 @@ class RequestTracker:
         if self.ended_at is None:
             self.ended_at = time.time()
 
+    def _route(self) -> RouteDecision | None:
+        """The route as served (dispatch's, naming the backend), else as planned."""
+        served = getattr(self.call, "route", None)
+        return served if isinstance(served, RouteDecision) else self.decision
+
     def finish(self, status: int | None, escaped: BaseException | None) -> RequestRecord:
         """The record, from what the client actually got: `status` as sent (None: no response
         started) and the exception that escaped the app, if any. An outcome decided along the way
@@ -90,7 +98,7 @@ class RequestTracker:
             api_key_id=self.caller.key_id if self.caller is not None else None,
             client_request_id=ctx.client_request_id,
             backend=obs.backend or None,
-            route=self.decision,
+            route=self._route(),
             status=status,
             outcome=outcome,
             error_code=error_code,

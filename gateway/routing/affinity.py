@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,13 +285,20 @@ class Affinity:
             choice.blocks = blocks
         return arranged, choice
 
-    def observe(self, route: RouteDecision, cached_tokens: int | None, prompt_tokens: int | None) -> None:
+    def observe(
+        self,
+        route: RouteDecision,
+        blocks: Sequence[int] | None,
+        cached_tokens: int | None,
+        prompt_tokens: int | None,
+    ) -> None:
         """After the request. A failover moved its prompt from the chosen replica to the one that
         served: the index says so. Otherwise the cached tokens the replica reports check what the
         index matched for it: fewer (by more than a block of slack: block edges and the chat
         template blur the count) means it had evicted what the index believed it held, so the
-        index believes it keeps fewer blocks from now on; as many lets that belief grow back."""
-        affinity, blocks, served = route.affinity, route.prefix_blocks, route.backend
+        index believes it keeps fewer blocks from now on; as many lets that belief grow back.
+        `blocks`: the prompt's block hashes as the route was planned (`Plan.prefix_blocks`)."""
+        affinity, served = route.affinity, route.backend
         if affinity is None or not blocks:
             return
         group = str(affinity.get("group"))
@@ -317,10 +324,10 @@ class Affinity:
         else:
             index.confirm(served)
 
-    def undo(self, route: RouteDecision) -> None:
+    def undo(self, route: RouteDecision, blocks: Sequence[int] | None) -> None:
         """The request was not served (refused, or every backend failed): the chosen replica never
         got the blocks the index recorded for it past what it held before."""
-        affinity, blocks = route.affinity, route.prefix_blocks
+        affinity = route.affinity
         if affinity is None or not blocks:
             return
         index, chosen = self.index.get(str(affinity.get("group"))), affinity.get("chosen")

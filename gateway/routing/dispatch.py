@@ -104,7 +104,7 @@ def _serving(call: BackendCall, backend: Backend) -> None:
     """This backend takes the call now: what the response's `metrics.route` and the row will name."""
     call.observed.backend = backend.name
     if call.route is not None:
-        call.route.served_by(backend.name, backend.external)
+        call.route = call.route.served_by(backend.name, backend.external)
 
 
 async def _close(stream: AsyncIterator[Any]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The chain's seed and the hash's personalisation: fixed, so that the same prompt gives the same
@@ -142,7 +143,7 @@ class PrefixIndex:
         lru = self._lru.get(replica)
         return len(lru) if lru is not None else 0
 
-    def match(self, blocks: list[int], replicas: list[str]) -> dict[str, int]:
+    def match(self, blocks: Sequence[int], replicas: list[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of `blocks` it holds (0..len(blocks))."""
         out = dict.fromkeys(replicas, 0)
         alive = 0
@@ -160,7 +161,7 @@ class PrefixIndex:
         self._assign(out, alive, len(blocks))
         return out
 
-    def record(self, replica: str, blocks: list[int]) -> None:
+    def record(self, replica: str, blocks: Sequence[int]) -> None:
         """The request with these blocks was sent to `replica`: it will hold them (refreshes LRU)."""
         if not blocks:
             return
@@ -188,7 +189,7 @@ class PrefixIndex:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
 
-    def correct(self, replica: str, blocks: list[int], cached_blocks: int) -> None:
+    def correct(self, replica: str, blocks: Sequence[int], cached_blocks: int) -> None:
         """The replica reported that only the first `cached_blocks` of them were served from its
         cache: forget the ones past that which the index believed it held (they were evicted),
         keep the rest."""

@@ -14,13 +14,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.policy.manager import PolicyManager
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from specgate.gateway.routing.affinity import Affinity
+from specgate.gateway.routing.affinity import Affinity, AffinityChoice
 from specgate.gateway.routing.request_info import request_info
 from specgate.gateway.settings import Settings
 from specgate.policies.arms import OFF, Arm
@@ -51,6 +51,9 @@ class Plan:
     decision: Decision | None = None
     classification: Classification | None = None
     arms: list[Arm] = dataclasses.field(default_factory=list)
+    # The prompt's block hashes where prefix affinity read them: affinity's own state, handed back
+    # to it once the request is over (`Affinity.observe` / `undo`); never part of the record.
+    prefix_blocks: tuple[int, ...] | None = None
 
     def explain(self) -> dict[str, Any]:
         c, decision = self.classification, self.decision
@@ -86,11 +89,11 @@ class Router:
         prefix-cache scope and salt; None: nobody's)."""
         return self.plan(request, load, slo=slo, scope=scope).route
 
-    def admit(self, route: RouteDecision) -> None:
+    def admit(self, plan: Plan) -> None:
         """429 where no arm is predicted to meet the request's latency targets and the operator
         refuses those (checked after the route is kept, so the refused request's row has it)."""
-        if route.slo_miss and self.settings.slo.reject:
-            self.affinity.undo(route)
+        if plan.route.slo_miss and self.settings.slo.reject:
+            self.affinity.undo(plan.route, plan.prefix_blocks)
             raise GatewayError(
                 429,
                 "no backend is predicted to serve this request within its latency targets now",
@@ -118,10 +121,9 @@ class Router:
                 policy=policy,
                 reason=reason,
                 affinity=choice.as_dict() if choice is not None else None,
-                prefix_blocks=choice.blocks if choice is not None else None,
                 slo=slo_dict,
             )
-            return Plan(route, load)
+            return Plan(route, load, prefix_blocks=_blocks(choice))
         return self._policy_plan(self.policy, request, load, names, why, explore, slo, scope)
 
     def arms(self, names: list[str]) -> list[Arm]:
@@ -181,16 +183,7 @@ class Router:
         backends = [*members, *(n for n in names if n not in members)]
         # The policy picks a pool; among its replicas, affinity picks the one for this request.
         backends, choice = self.affinity.arrange(backends, request, not asking, scope, load.backends)
-        chosen: SpecParams | None = None
-        if not arm.external:
-            chosen = SpecParams(
-                method=arm.method if arm.speculative else OFF,
-                controller=decision.controller,
-                k_min=decision.k_min,
-                k_max=decision.k_max,
-            )
-            if decision.acceptance_prior is not None:  # measured for the class; else the engine's default
-                chosen.acceptance_prior = decision.acceptance_prior
+        chosen = None if arm.external else decision.spec
         spec, label, reason = self._speculation(request, chosen, manager.state.kind, decision.reason, why)
         route = RouteDecision(
             model=request.model,
@@ -207,7 +200,6 @@ class Router:
             predictions=decision.predictions,
             propensity=decision.propensity if label not in ("request", "route") else None,
             affinity=choice.as_dict() if choice is not None else None,
-            prefix_blocks=choice.blocks if choice is not None else None,
             chosen_arm=arm.key,
             slo=slo.as_dict() if slo is not None else None,
             slo_headroom=None if decision.slo_headroom is None else round(decision.slo_headroom, 4),
@@ -215,7 +207,7 @@ class Router:
             pools={n: a.key for a in arms if a.external for n in self.pool_members(a.backend, names)},
             pool_batches={a.key: load.batch_of(a.backend) for a in arms if a.external},
         )
-        return Plan(route, load, decision, cls, arms)
+        return Plan(route, load, decision, cls, arms, _blocks(choice))
 
     def _speculation(
         self, request: Request, chosen: SpecParams | None, policy: str, reason: str, why: str
@@ -239,6 +231,10 @@ class Router:
             spec = requested_spec(base, request, self.allowed)
             policy, reason = "request", reason + "; speculation set by the request"
         return spec, policy, reason
+
+
+def _blocks(choice: AffinityChoice | None) -> tuple[int, ...] | None:
+    return tuple(choice.blocks) if choice is not None and choice.blocks else None
 
 
 def candidate_backends(settings: Settings, registry: BackendRegistry, model: str) -> tuple[list[str], str]:

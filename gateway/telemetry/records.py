@@ -1,18 +1,22 @@
 """One record per request: who asked, how it was routed, how it went. Handed to the sinks when it ends.
 
-Immutable: built once, when the request is over (`request/tracker.py`), from what each stage
-produced. The sinks: recent records in memory (`MemorySink`), Prometheus, the telemetry store (which
-persists the record as rows, `rows.py`). Submitting never blocks the request path.
+Immutable, nested values included: built once, when the request is over (`request/tracker.py`),
+from what each stage produced. The sinks: recent records in memory (`MemorySink`), Prometheus, the
+telemetry store (which persists the record as rows, `rows.py`). Submitting never blocks the request
+path.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specgate.engine.vocab import SpecStep
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.policies.decision import Slo
+from specgate.policies.frozen import freeze
 from specgate.policies.load import Load
 
 
@@ -44,15 +48,20 @@ class RequestRecord:
     queue_time_ms: float | None = None
     attempts: int = 0
     load: Load | None = None  # what the router saw at arrival
-    spec_decoding: dict[str, Any] | None = None
-    grammar: str | None = None  # the output constraint's kind (engine/grammar.py KINDS); None: none
-    upstream: dict[str, Any] = field(default_factory=dict)
+    spec_decoding: Mapping[str, Any] | None = None
+    # The output constraint's kind (engine/structured_output/grammar.py KINDS); None: none.
+    grammar: str | None = None
+    upstream: Mapping[str, Any] = field(default_factory=dict)
     overhead_ms: float | None = None  # gateway time before the backend was called
-    # Per verification step: drafted tokens (tree nodes), accepted, batch tokens, forward ms, draft depth.
-    spec_steps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    spec_steps: Sequence[SpecStep] = ()  # per verification step
     # Choices generated (n > 1 on the embedded engine): the token counts cover them all, so the time
     # per output token divides by each choice's share. Not a column: the row does not keep it.
     n: int = 1
+
+    def __post_init__(self) -> None:
+        # The route and the load are frozen dataclasses that freeze their own collections.
+        for name in ("spec_decoding", "upstream", "spec_steps"):
+            object.__setattr__(self, name, freeze(getattr(self, name)))
 
     @property
     def workload_class(self) -> str | None:
@@ -64,7 +73,7 @@ class RequestRecord:
         return self.route.class_confidence if self.route is not None else None
 
     @property
-    def features(self) -> dict[str, Any]:
+    def features(self) -> Mapping[str, Any]:
         """What the routing policy saw."""
         return self.route.features if self.route is not None else {}
 

@@ -26,7 +26,7 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
     route = rec.route.as_dict() if rec.route is not None else {}
     spec_route = route.get("spec") or {}
     spec = rec.spec_decoding or {}
-    load = rec.load if rec.load is not None and rec.load.engine else None
+    load = rec.load.engine if rec.load is not None else None
     in_flight = rec.load.backends.get(rec.backend) if rec.load is not None and rec.backend else None
     affinity = route.get("affinity") or {}
     slo = route.get("slo") or {}
@@ -70,9 +70,9 @@ def request_row(rec: RequestRecord) -> dict[str, Any]:
         "workload_class": rec.workload_class,
         "class_confidence": rec.class_confidence,
         "features": rec.features or None,
-        "load_queue_depth": load.queue_depth if load is not None else None,
-        "load_running": load.running if load is not None else None,
-        "load_kv_usage": round(load.kv_usage, 4) if load is not None else None,
+        "load_queue_depth": load.num_waiting if load is not None else None,
+        "load_running": load.num_running if load is not None else None,
+        "load_kv_usage": round(load.kv_cache_usage, 4) if load is not None else None,
         "load_backend_in_flight": in_flight.in_flight if in_flight is not None else None,
         "num_drafts": spec.get("num_drafts"),
         "num_draft_tokens": spec.get("num_draft_tokens"),
@@ -102,13 +102,13 @@ def step_rows(rec: RequestRecord) -> list[dict[str, Any]]:
         {
             "request_id": rec.request_id,
             "step_index": i,
-            "k_proposed": k,
-            "accepted": a,
-            "batch_tokens": b,
-            "step_ms": ms,
-            "depth": depth,
+            "k_proposed": step.drafted,
+            "accepted": step.accepted,
+            "batch_tokens": step.batch_tokens,
+            "step_ms": step.step_ms,
+            "depth": step.depth,
         }
-        for i, (k, a, b, ms, depth) in enumerate(rec.spec_steps)
+        for i, step in enumerate(rec.spec_steps)
     ]
 
 
@@ -134,7 +134,7 @@ def encode_entry(value: Entry) -> bytes:
         return _stdlib_encode(value)
     except RecursionError:
         row = {
-            k: _UNENCODABLE if isinstance(v, dict | list) and _too_deep(v) else v
+            k: _UNENCODABLE if isinstance(v, dict | list | tuple) and _too_deep(v) else v
             for k, v in value["r"].items()
         }
         return _stdlib_encode({**value, "r": row})

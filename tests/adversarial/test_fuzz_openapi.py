@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.adversarial.conftest import ADMIN, assert_openai_error, assert_whole, rows_for, send
 from tests.gateway.live import LiveGateway
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HOSTILE_VALUES = [
     float("nan"),

@@ -135,6 +135,7 @@ def test_bodies_refused_before_any_parameter_is_read(target: LiveGateway, model:
     assert_whole(target)
 
 
+@pytest.mark.slow
 def test_a_victim_stream_is_untouched_by_hostile_neighbours(target: LiveGateway, model: str) -> None:
     """A greedy stream decodes the same text alone and while hostile requests hit the same engine."""
     victim = {

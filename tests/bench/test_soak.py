@@ -9,7 +9,7 @@ import pytest
 
 from specgate.gateway.cli.main import main
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def test_a_short_soak_loses_nothing(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from specgate.engine.admission import checked_prompt, new_sequence, request_generator
 from specgate.engine.errors import ContextLengthExceededError, RequestError
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 
 VOCAB, MAX_LEN = 100, 32
 

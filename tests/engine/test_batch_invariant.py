@@ -22,7 +22,7 @@ from specgate.engine.batch_invariant import (
 from specgate.engine.engine import Engine
 from specgate.engine.kv_cache import KVCache
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, proposer_options
 from tests.engine.test_engine import GREEDY, prompts, run_to_completion, tokens
 
@@ -137,6 +137,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.slow
 def test_bf16_greedy_output_ignores_batch_speculation_and_cache_hits(
     quantization: str, make_engine: Callable[..., Engine], tiny_draft_dir: Path, tiny_eagle_dir: Path
 ) -> None:

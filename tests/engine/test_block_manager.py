@@ -17,7 +17,7 @@ def make_seq(num_tokens: int = 1, request_id: str = "r") -> Sequence:
         num_prompt_tokens=num_tokens,
         params=SamplingParams(),
         generator=None,
-        stats=RequestStats(arrival_time=0.0, num_prompt_tokens=num_tokens),
+        stats=RequestStats(arrival_ts=0.0, num_prompt_tokens=num_tokens),
     )
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specgate.engine.constraint import Constraint
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
-from specgate.engine.grammar import Grammar, GrammarCompiler
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.structured_output.constraint import Constraint
+from specgate.engine.structured_output.grammar import Grammar, GrammarCompiler
+from specgate.engine.vocab import SpecParams
 from tests.conftest import VOCAB_SIZE, build_tokenizer
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, proposer_options
 from tests.engine.test_engine import prompts, run_to_completion, tokens

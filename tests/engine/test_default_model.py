@@ -11,7 +11,7 @@ import pytest
 from specgate.engine.config import EngineConfig
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.backends.embedded.chat_template import render_chat
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_default_model_follows_a_json_schema_exactly_with_every_proposer(tmp_pat
     suffix, the shipped EAGLE head, chains and a tree), parses, and matches the schema."""
     import json
 
-    from specgate.engine.grammar import Grammar
+    from specgate.engine.structured_output.grammar import Grammar
 
     engine = Engine(EngineConfig(convert_cache_dir=str(tmp_path / "models"), dtype="float32"))
     schema = {

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specgate.engine import draft_tree as dt
+from specgate.engine.batch_layout import ancestor_mask
+from specgate.engine.spec_decode import draft_tree as dt
 
 # The tree used below (root r):      r
 #                                  /   \
@@ -37,7 +38,7 @@ def test_subtree_renumbers() -> None:
 
 
 def test_ancestor_mask_sees_the_root_its_ancestors_and_itself() -> None:
-    mask = dt.ancestor_mask(PARENTS)  # rows and columns: root, then nodes 0..4
+    mask = ancestor_mask(PARENTS)  # rows and columns: root, then nodes 0..4
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0, 0],

@@ -104,7 +104,7 @@ def test_requests_wait_when_max_num_seqs_is_reached(make_engine: Callable[..., E
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, **GREEDY))
     first = engine.step()
     assert {o.request_id for o in first} == {"r0", "r1"}
-    assert engine.stats().num_running == 2 and engine.stats().num_waiting == 2
+    assert engine.load().num_running == 2 and engine.load().num_waiting == 2
     outs = run_to_completion(engine)
     assert len(tokens(outs["r0"])) == len(tokens(outs["r1"])) == 3
     assert len(tokens(outs["r2"])) == len(tokens(outs["r3"])) == 4
@@ -240,7 +240,7 @@ def test_half_precision_engines_track_float32_logits(make_engine: Callable[..., 
 def test_fair_preemption_between_tenants_never_changes_greedy_output(
     method: str | None, make_engine: Callable[..., Engine], tiny_llama_dir: Path, tiny_draft_dir: Path
 ) -> None:
-    from specgate.engine.spec_decode.params import SpecParams
+    from specgate.engine.vocab import SpecParams
 
     options = {"draft_model": {"model": str(tiny_draft_dir)}} if method == "draft_model" else {}
     engine = make_engine(max_num_seqs=3, proposer_options=options)

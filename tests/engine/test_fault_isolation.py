@@ -11,7 +11,7 @@ from specgate.engine import engine as engine_module
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
 from specgate.engine.sampling_params import SAMPLING_EPS, SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.engine.test_engine import prompts, run_to_completion, tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=12)

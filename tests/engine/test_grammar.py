@@ -1,10 +1,10 @@
-"""engine/grammar.py: how a JSON schema is read before llguidance compiles it."""
+"""engine/structured_output/grammar.py: how a JSON schema is read before llguidance compiles it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from specgate.engine.grammar import Grammar, check, closed_objects
+from specgate.engine.structured_output.grammar import Grammar, check, closed_objects
 
 
 def test_closed_objects_closes_what_lists_properties_and_says_nothing_else() -> None:

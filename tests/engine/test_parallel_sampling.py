@@ -12,7 +12,7 @@ from specgate.engine.engine import Engine
 from specgate.engine.errors import DuplicateRequestError, RequestError
 from specgate.engine.outputs import RequestOutput, RequestStats, SpecStats
 from specgate.engine.sampling_params import MAX_N, SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams, SpecStep
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, repetitive_prompts, spec_engine
 from tests.engine.test_engine import GREEDY, prompts, run_to_completion, tokens
 
@@ -235,18 +235,18 @@ def test_greedy_speculation_per_sequence_stays_lossless(
 
 
 def test_merged_stats_sum_the_sequences_counters() -> None:
-    a = RequestStats(arrival_time=1.0, num_prompt_tokens=9, num_output_tokens=3, num_cached_tokens=4)
-    a.first_token_time, a.last_token_time, a.finished_time = 2.0, 3.0, 3.5
-    b = RequestStats(arrival_time=1.0, num_prompt_tokens=9, num_output_tokens=5, num_cached_tokens=8)
-    b.first_token_time, b.last_token_time, b.finished_time = 2.5, 4.0, 4.0
+    a = RequestStats(arrival_ts=1.0, num_prompt_tokens=9, num_output_tokens=3, num_cached_tokens=4)
+    a.first_token_ts, a.last_token_ts, a.finished_ts = 2.0, 3.0, 3.5
+    b = RequestStats(arrival_ts=1.0, num_prompt_tokens=9, num_output_tokens=5, num_cached_tokens=8)
+    b.first_token_ts, b.last_token_ts, b.finished_ts = 2.5, 4.0, 4.0
     a.spec, b.spec = SpecStats("ngram"), SpecStats("ngram")
-    a.spec.record(3, 2)
-    b.spec.record(2, 1)
-    b.spec.record(4, 3)
+    a.spec.record(SpecStep(3, 2, batch_tokens=4, step_ms=1.0, depth=3))
+    b.spec.record(SpecStep(2, 1, batch_tokens=3, step_ms=1.0, depth=2))
+    b.spec.record(SpecStep(4, 3, batch_tokens=5, step_ms=1.0, depth=4))
     m = RequestStats.merged([a, b])
-    assert (m.num_output_tokens, m.num_cached_tokens, m.first_token_time, m.finished_time) == (8, 4, 2.0, 4.0)
+    assert (m.num_output_tokens, m.num_cached_tokens, m.first_token_ts, m.finished_ts) == (8, 4, 2.0, 4.0)
     assert m.spec is not None and m.spec.num_drafts == 3 and m.spec.num_draft_tokens == 9
     assert m.spec.num_accepted_tokens == 6 and m.spec.num_accepted_tokens_per_pos == [3, 2, 1, 0]
-    assert m.spec.per_step_drafted == [3, 2, 4]
-    b.finished_time = None
-    assert RequestStats.merged([a, b]).finished_time is None
+    assert [step.drafted for step in m.spec.steps] == [3, 2, 4]
+    b.finished_ts = None
+    assert RequestStats.merged([a, b]).finished_ts is None

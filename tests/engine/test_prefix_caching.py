@@ -9,7 +9,7 @@ import pytest
 
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, proposer_options
 from tests.engine.test_engine import GREEDY, prompts, run_to_completion, tokens
 

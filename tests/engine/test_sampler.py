@@ -448,6 +448,7 @@ def _renormalised(probs: list[float]) -> list[float]:
         (dict(temperature=1.0, min_p=0.3), [*_renormalised(_DIST[:3]), 0.0, 0.0]),
     ],
 )
+@pytest.mark.slow
 def test_sampling_converges_to_the_processed_distribution(params: dict, target: list[float]) -> None:
     counts = _empirical(params, seed=42)
     n = counts.sum().item()
@@ -464,6 +465,7 @@ def test_sampling_converges_to_the_processed_distribution(params: dict, target: 
     assert (freq - target_t).abs().max() < 0.015
 
 
+@pytest.mark.slow
 def test_temperature_half_sharpens_the_distribution() -> None:
     base = _empirical(dict(temperature=1.0), seed=3) / 20_000
     sharp = _empirical(dict(temperature=0.5), seed=4) / 20_000

@@ -20,7 +20,7 @@ def make_seq(request_id: str, prompt_len: int) -> Sequence:
         num_prompt_tokens=prompt_len,
         params=SamplingParams(),
         generator=None,
-        stats=RequestStats(arrival_time=0.0, num_prompt_tokens=prompt_len),
+        stats=RequestStats(arrival_ts=0.0, num_prompt_tokens=prompt_len),
     )
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specgate.engine import draft_tree as dt
 from specgate.engine.batch_layout import ForwardItem
 from specgate.engine.config import EngineConfig
 from specgate.engine.model_runner import ModelRunner
+from specgate.engine.spec_decode import draft_tree as dt
 from tests.engine.test_engine import prompts
 
 ATOL = 1e-5

@@ -26,7 +26,7 @@ from tests.gateway.llama_servers import LlamaServer
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is a dev dependency")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 LLAMA = "smollm2"
 SHARED = "shared"

@@ -58,7 +58,7 @@ from tests.gateway.llama_servers import ALIAS, LlamaServer
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is a dev dependency")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 Messages = list[Any]  # chat messages, as the openai client takes them
 Answer = list[tuple[str, dict[str, float]]]  # a greedy answer's tokens, each with its top logprobs

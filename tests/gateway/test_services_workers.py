@@ -31,6 +31,7 @@ def run_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_two_workers_agree(tiny_llama_dir: Path, run_dir: Path) -> None:
     settings: Settings = tiny_settings(
         str(tiny_llama_dir),

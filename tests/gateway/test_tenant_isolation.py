@@ -54,6 +54,7 @@ def test_a_method_the_operator_does_not_allow_is_refused(keyed: LiveGateway) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "spec.method"
 
 
+@pytest.mark.slow
 def test_open_mode_scopes_by_address_or_not_at_all(tiny_fixed_point_dir: Path) -> None:
     for mode, expected in (("tenant", ["addr:127.0.0.1"]), ("off", []), ("global", [""])):
         live = start_gateway(

@@ -26,6 +26,7 @@ def shipped() -> WorkloadClassifier:
     return WorkloadClassifier.load()
 
 
+@pytest.mark.slow
 def test_held_out_accuracy_over_every_class(rows: list[dict]) -> None:
     train, test = split_by_group(rows, 0.2, seed=1)
     assert not {r["group"] for r in train} & {r["group"] for r in test}
@@ -64,6 +65,7 @@ def test_tools_or_json_mode_is_a_tool_call_by_rule(shipped: WorkloadClassifier) 
     assert (json_mode.label, json_mode.rule) == ("tool_call", "json_mode")
 
 
+@pytest.mark.slow
 def test_fast_path_reproduces_the_sklearn_pipeline(rows: list[dict]) -> None:
     from scipy import sparse
     from sklearn.feature_extraction.text import TfidfVectorizer

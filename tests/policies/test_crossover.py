@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.policies.arms import Arm
 from specgate.policies.crossover import MIN_ROWS, NEVER, pool_crossovers
 from specgate.policies.decision import DecisionContext
@@ -39,10 +40,10 @@ def row(arm: Arm, batch: int, tpot: float, label: str, rng: random.Random, i: in
     """A finished request on `arm` whose backend had `batch` requests running and waiting; the
     engine's load (the plain names) is random, and so is the other pool's."""
     waiting = rng.randint(0, batch)
-    own = BackendLoad(running=batch - waiting, waiting=waiting)
-    other = BackendLoad(running=rng.randint(0, 60))
+    own = BackendLoad(num_running=batch - waiting, num_waiting=waiting)
+    other = BackendLoad(num_running=rng.randint(0, 60))
     backends = {arm.backend: own, **{a.backend: other for a in (SPEC, PLAIN) if a.backend != arm.backend}}
-    load = Load(running=rng.randint(0, 60), queue_depth=rng.randint(0, 10), backends=backends)
+    load = Load(LoadSnapshot(num_running=rng.randint(0, 60), num_waiting=rng.randint(0, 10)), backends)
     feats = {**synth.features(label, 0, rng), **load.features()}
     return TrainingRow(arm.key, feats, 1000.0 / tpot, tpot, label, float(i), propensity=0.5)
 
@@ -161,7 +162,7 @@ def test_policy_state_keeps_the_crossovers_and_its_policy_obeys_them() -> None:
     assert isinstance(policy, RulePolicy) and policy.crossovers == crossovers
 
     def pick(label: str, spec_batch: int) -> Arm:
-        load = Load(backends={"spec": BackendLoad(running=spec_batch), "plain": BackendLoad()})
+        load = Load(backends={"spec": BackendLoad(num_running=spec_batch), "plain": BackendLoad()})
         c = DecisionContext(label, 0.95, {"temperature": 0.0}, load, [SPEC, PLAIN])
         return policy.decide(c, explore=False).arm
 
@@ -185,7 +186,7 @@ def test_retraining_measures_the_crossovers(retrained: PolicyState) -> None:
         PolicyState.from_dict(json.loads(json.dumps(retrained.as_dict()))).crossovers == retrained.crossovers
     )
     policy = retrained.build(seed=0)
-    load = Load(backends={"spec": BackendLoad(running=8), "plain": BackendLoad(running=8)})
+    load = Load(backends={"spec": BackendLoad(num_running=8), "plain": BackendLoad(num_running=8)})
     c = DecisionContext("code", 0.95, synth.features("code", 0, random.Random(0)), load, [SPEC, PLAIN])
     decision = policy.decide(c, explore=False)
     assert decision.arm == PLAIN and "measured 7" in decision.reason

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.policies.arms import Arm
 from specgate.policies.decision import Decision, DecisionContext, Slo
 from specgate.policies.exploration import ExplorationBudget
@@ -38,17 +39,20 @@ def request(label: str, seed: int = 0, temperature: float = 0.0) -> dict[str, fl
 def pools_load(spec: int, plain: int, engine: int = 0) -> Load:
     """The engine's load (every signal scaled with `engine`) and the two pools' scraped loads."""
     return Load(
-        queue_depth=engine // 4,
-        running=engine,
-        batch_tokens=3 * engine,
-        kv_usage=min(1.0, engine / 64),
-        step_ms=float(engine),
+        LoadSnapshot(
+            num_waiting=engine // 4,
+            num_running=engine,
+            num_batched_tokens=3 * engine,
+            kv_cache_usage=min(1.0, engine / 64),
+            step_time=engine / 1e3,
+        ),
         backends={
-            "spec": BackendLoad(running=spec, waiting=0, kv_usage=min(1.0, spec / 64), speculative=True),
-            "plain": BackendLoad(running=plain, waiting=0, kv_usage=min(1.0, plain / 64)),
+            "spec": BackendLoad(
+                num_running=spec, num_waiting=0, kv_cache_usage=min(1.0, spec / 64), speculative=True
+            ),
+            "plain": BackendLoad(num_running=plain, num_waiting=0, kv_cache_usage=min(1.0, plain / 64)),
             "embedded": BackendLoad(external=False),
         },
-        engine=True,
     )
 
 
@@ -91,17 +95,14 @@ def ctx(
 
 def busy_load() -> Load:
     return Load(
-        queue_depth=2,
-        running=3,
-        batch_tokens=7,
-        kv_usage=0.5,
-        step_ms=12.0,
+        LoadSnapshot(num_waiting=2, num_running=3, num_batched_tokens=7, kv_cache_usage=0.5, step_time=0.012),
         backends={
-            "vllm": BackendLoad(in_flight=1, running=4, waiting=2, kv_usage=0.3, latency_ewma_ms=80.0),
+            "vllm": BackendLoad(
+                in_flight=1, num_running=4, num_waiting=2, kv_cache_usage=0.3, latency_ewma_ms=80.0
+            ),
             "group": BackendLoad(in_flight=5, latency_ewma_ms=250.0),  # not scraped
             "embedded": BackendLoad(external=False, in_flight=9),
         },
-        engine=True,
     )
 
 
@@ -122,12 +123,13 @@ def test_features_hold_the_engine_under_plain_names_and_each_external_backend_un
 def test_from_features_round_trips_the_engine_and_the_external_backends() -> None:
     load = busy_load()
     back = Load.from_features(load.features())
-    assert (back.queue_depth, back.running, back.batch_tokens) == (2, 3, 7)
-    assert back.kv_usage == pytest.approx(0.5) and back.step_ms == pytest.approx(12.0)
+    e = back.engine
+    assert e is not None and (e.num_waiting, e.num_running, e.num_batched_tokens) == (2, 3, 7)
+    assert e.kv_cache_usage == pytest.approx(0.5) and e.step_time == pytest.approx(0.012)
     assert set(back.backends) == {"vllm", "group"}
     vllm = back.backends["vllm"]
-    assert (vllm.running, vllm.waiting) == (4, 2) and vllm.external
-    assert vllm.kv_usage == pytest.approx(0.3)
+    assert (vllm.num_running, vllm.num_waiting) == (4, 2) and vllm.external
+    assert vllm.kv_cache_usage == pytest.approx(0.3)
     assert vllm.latency_ewma_ms == pytest.approx(80.0)
     group = back.backends["group"]
     assert group.batch == load.backends["group"].batch == 5
@@ -154,7 +156,7 @@ def test_arm_input_puts_the_backends_own_load_under_the_plain_names() -> None:
 def test_an_old_row_without_prefixed_keys_gives_the_engine_features() -> None:
     old = synth.features("code", 12, random.Random(0))  # telemetry from before per-backend load
     load = Load.from_features(old)
-    assert load.backends == {} and load.running == 12
+    assert load.backends == {} and load.engine is not None and load.engine.num_running == 12
     assert load.arm_features("vllm") == load.engine_features()
     assert arm_input(old, "vllm") == old
     assert vector(old, "vllm:upstream").tolist() == [old.get(n, 0.0) for n in MODEL_FEATURES]
@@ -164,14 +166,14 @@ def test_an_old_row_without_prefixed_keys_gives_the_engine_features() -> None:
     "kwargs",
     [
         {"in_flight": -1},
-        {"running": -1},
-        {"waiting": -3},
+        {"num_running": -1},
+        {"num_waiting": -3},
         {"in_flight": MAX_COUNT + 1},
-        {"running": MAX_COUNT + 1},
-        {"waiting": MAX_COUNT + 1},
-        {"kv_usage": 1.01},
-        {"kv_usage": -0.01},
-        {"kv_usage": math.nan},
+        {"num_running": MAX_COUNT + 1},
+        {"num_waiting": MAX_COUNT + 1},
+        {"kv_cache_usage": 1.01},
+        {"kv_cache_usage": -0.01},
+        {"kv_cache_usage": math.nan},
         {"latency_ewma_ms": math.nan},
         {"latency_ewma_ms": math.inf},
         {"latency_ewma_ms": -1.0},
@@ -183,22 +185,30 @@ def test_backend_load_refuses_impossible_values(kwargs: dict[str, float]) -> Non
 
 
 def test_backend_load_accepts_the_edges() -> None:
-    BackendLoad(in_flight=MAX_COUNT, running=MAX_COUNT, waiting=MAX_COUNT, kv_usage=1.0, latency_ewma_ms=0.0)
-    BackendLoad(kv_usage=0.0)
+    BackendLoad(
+        in_flight=MAX_COUNT,
+        num_running=MAX_COUNT,
+        num_waiting=MAX_COUNT,
+        kv_cache_usage=1.0,
+        latency_ewma_ms=0.0,
+    )
+    BackendLoad(kv_cache_usage=0.0)
 
 
 def test_batch_is_the_scraped_running_and_waiting_else_the_gateways_in_flight() -> None:
     assert BackendLoad(in_flight=7).batch == 7
-    assert BackendLoad(in_flight=5, running=3, waiting=4).batch == 7
-    assert BackendLoad(in_flight=1, running=3).batch == 3
+    assert BackendLoad(in_flight=5, num_running=3, num_waiting=4).batch == 7
+    assert BackendLoad(in_flight=1, num_running=3).batch == 3
     # A scrape is up to an interval old: never fewer than the gateway's own requests there.
-    assert BackendLoad(in_flight=50, running=3, waiting=4).batch == 50
-    assert BackendLoad(in_flight=50, running=3, waiting=4).features()["load_running"] == 46
-    assert BackendLoad(in_flight=0, running=0, waiting=0).batch == 0
+    assert BackendLoad(in_flight=50, num_running=3, num_waiting=4).batch == 50
+    assert BackendLoad(in_flight=50, num_running=3, num_waiting=4).features()["load_running"] == 46
+    assert BackendLoad(in_flight=0, num_running=0, num_waiting=0).batch == 0
     load = Load(
-        running=2,
-        queue_depth=1,
-        backends={"v": BackendLoad(running=10, waiting=5), "e": BackendLoad(external=False, in_flight=99)},
+        LoadSnapshot(num_running=2, num_waiting=1),
+        backends={
+            "v": BackendLoad(num_running=10, num_waiting=5),
+            "e": BackendLoad(external=False, in_flight=99),
+        },
     )
     assert load.batch_of("v") == 15
     assert load.batch_of("e") == 3  # the embedded backend's entry: the engine's batch
@@ -209,21 +219,26 @@ def test_combine_is_the_mean_over_healthy_replicas_and_healthy_if_any_is() -> No
     members = [
         BackendLoad(
             in_flight=2,
-            running=4,
-            waiting=2,
-            kv_usage=0.2,
+            num_running=4,
+            num_waiting=2,
+            kv_cache_usage=0.2,
             latency_ewma_ms=100.0,
             speculative=True,
             acceptance_length=2.0,
         ),
         BackendLoad(
-            in_flight=4, running=10, waiting=0, kv_usage=0.6, latency_ewma_ms=300.0, acceptance_length=3.0
+            in_flight=4,
+            num_running=10,
+            num_waiting=0,
+            kv_cache_usage=0.6,
+            latency_ewma_ms=300.0,
+            acceptance_length=3.0,
         ),
         BackendLoad(
             in_flight=50,
-            running=100,
-            waiting=100,
-            kv_usage=1.0,
+            num_running=100,
+            num_waiting=100,
+            kv_cache_usage=1.0,
             latency_ewma_ms=5000.0,
             healthy=False,
             acceptance_length=9.0,
@@ -233,7 +248,7 @@ def test_combine_is_the_mean_over_healthy_replicas_and_healthy_if_any_is() -> No
     assert group.healthy and group.external
     assert group.batch == 8  # (6 + 10) / 2: the sick replica takes no requests
     assert group.in_flight == 3
-    assert group.kv_usage == pytest.approx(0.4)
+    assert group.kv_cache_usage == pytest.approx(0.4)
     assert group.latency_ewma_ms == pytest.approx(200.0)
     assert group.acceptance_length == pytest.approx(2.5)
     assert group.speculative
@@ -241,11 +256,11 @@ def test_combine_is_the_mean_over_healthy_replicas_and_healthy_if_any_is() -> No
     assert not sick.healthy
     assert sick.batch == round((6 + 10 + 200) / 3)  # none is healthy: the mean over all
     unscraped = BackendLoad.combine([BackendLoad(in_flight=4), BackendLoad(in_flight=8)])
-    assert unscraped.running is None and unscraped.batch == 6
+    assert unscraped.num_running is None and unscraped.batch == 6
 
 
 def test_combine_counts_an_unscraped_replicas_in_flight_as_its_batch() -> None:
-    group = BackendLoad.combine([BackendLoad(in_flight=10), BackendLoad(running=2, waiting=0)])
+    group = BackendLoad.combine([BackendLoad(in_flight=10), BackendLoad(num_running=2, num_waiting=0)])
     assert group.batch == 6  # the mean of the replicas' batches, 10 and 2
     with pytest.raises(ValueError):
         BackendLoad.combine([])
@@ -265,8 +280,9 @@ def test_a_row_with_hostile_engine_load_still_rebuilds() -> None:
         "load_kv_usage": 7.0,
     }
     load = Load.from_features(hostile)
-    assert (load.running, load.queue_depth, load.kv_usage) == (0, 0, 1.0)
-    assert load.batch_tokens > 0
+    assert load.engine is not None
+    assert (load.engine.num_running, load.engine.num_waiting, load.engine.kv_cache_usage) == (0, 0, 1.0)
+    assert load.engine.num_batched_tokens > 0
 
 
 # --- Arms ---------------------------------------------------------------------------------------
@@ -335,7 +351,7 @@ def test_each_pools_model_reads_its_own_backends_load(pools_model: GoodputModel)
     assert preds[SPEC.key]["tokens_per_s"] == pytest.approx(40.0 * math.exp(-0.16), rel=0.15)
     assert busy.predictions[SPEC.key]["tokens_per_s"] == pytest.approx(40.0 * math.exp(-2.8), rel=0.3)
     # An external server sets its own K.
-    assert (light.k_min, light.k_max, light.acceptance_prior) == (0, 0, None)
+    assert light.spec is None
 
 
 def test_the_pools_decision_does_not_read_the_engines_load(pools_model: GoodputModel) -> None:
@@ -344,7 +360,7 @@ def test_the_pools_decision_does_not_read_the_engines_load(pools_model: GoodputM
         decisions = []
         for engine in (0, 30, 64):
             c = ctx("code", pools_load(spec=spec, plain=10, engine=engine))
-            c.features.update(Load(running=engine, queue_depth=engine).engine_features())
+            c.features.update(Load(LoadSnapshot(num_running=engine, num_waiting=engine)).engine_features())
             decisions.append(policy.decide(c, explore=False))
         assert len({d.arm for d in decisions}) == 1
         assert all(d.predictions == decisions[0].predictions for d in decisions)
@@ -365,7 +381,7 @@ def test_a_model_fitted_on_old_rows_predicts_from_the_engines_load() -> None:
         model.predict(
             SPEC.key,
             DecisionContext(
-                "code", 0.9, request("code"), Load(running=r, kv_usage=r / 64), POOLS
+                "code", 0.9, request("code"), Load(LoadSnapshot(num_running=r, kv_cache_usage=r / 64)), POOLS
             ).model_input(SPEC),
         )
         for r in (0, 35)
@@ -409,7 +425,7 @@ def test_a_speculative_pool_past_its_measured_crossover_of_its_own_backend_is_dr
         "embedded:off",
     ]
     # Waiting requests count; so does the gateway's own in-flight count when it is not scraped.
-    queued = Load(backends={"spec": BackendLoad(running=10, waiting=6), "plain": BackendLoad()})
+    queued = Load(backends={"spec": BackendLoad(num_running=10, num_waiting=6), "plain": BackendLoad()})
     assert keys(ctx("code", queued), crossovers=crossovers) == [PLAIN.key]
     unscraped = Load(backends={"spec": BackendLoad(in_flight=20), "plain": BackendLoad()})
     assert keys(ctx("code", unscraped), crossovers=crossovers) == [PLAIN.key]
@@ -466,10 +482,10 @@ def test_rules_take_the_pool_of_the_class_rules_kind(order: list[Arm]) -> None:
     idle = pools_load(spec=0, plain=0)
     code = policy.decide(ctx("code", idle, order), explore=False)
     assert code.arm == SPEC and "speculative pool spec" in code.reason
-    assert (code.k_min, code.k_max, code.acceptance_prior) == (0, 0, None)
+    assert code.spec is None  # an external server sets its own K
     chat = policy.decide(ctx("open_chat", idle, order, temperature=1.0), explore=False)
     assert chat.arm == PLAIN and "plain pool plain" in chat.reason
-    assert (chat.k_min, chat.k_max) == (0, 0)
+    assert chat.spec is None
     assert policy.decide(ctx("open_chat", idle, order, temperature=0.2), explore=False).arm == SPEC
     off_for_qa = RulePolicy(RuleConfig().merged({"classes": {"qa": {"method": "off"}}}), seed=0)
     assert off_for_qa.decide(ctx("qa", idle, order), explore=False).arm == PLAIN
@@ -504,8 +520,8 @@ def slo_rows(n: int, latency: bool = True, seed: int = 0) -> list[TrainingRow]:
         arm = (FAST, SLOW)[i % 2]
         load = Load(
             backends={
-                "fast": BackendLoad(running=rng.randint(0, 8)),
-                "slow": BackendLoad(running=rng.randint(0, 8)),
+                "fast": BackendLoad(num_running=rng.randint(0, 8)),
+                "slow": BackendLoad(num_running=rng.randint(0, 8)),
             }
         )
         feats = {**synth.features("open_chat", 0, rng, 1.0), **load.features()}
@@ -532,7 +548,7 @@ def slo_model() -> GoodputModel:
 
 
 def slo_ctx(slo: Slo | None, arms: list[Arm] | None = None) -> DecisionContext:
-    load = Load(backends={"fast": BackendLoad(running=4), "slow": BackendLoad(running=4)})
+    load = Load(backends={"fast": BackendLoad(num_running=4), "slow": BackendLoad(num_running=4)})
     return ctx("open_chat", load, arms or [FAST, SLOW], temperature=1.0, slo=slo)
 
 
@@ -658,9 +674,9 @@ def test_the_arm_model_round_trips_and_reads_older_dicts(slo_model: GoodputModel
 def test_a_group_of_replicas_each_at_the_limit_is_still_a_load() -> None:
     # Each replica may say 1e6 running and 1e6 waiting: the group's mean batch is held at the limit
     # rather than refused (a refusal here would fail every request's routing).
-    full = BackendLoad(running=MAX_COUNT, waiting=MAX_COUNT)
+    full = BackendLoad(num_running=MAX_COUNT, num_waiting=MAX_COUNT)
     group = BackendLoad.combine([full, full])
-    assert group.running == MAX_COUNT and group.batch == MAX_COUNT
+    assert group.num_running == MAX_COUNT and group.batch == MAX_COUNT
 
 
 def test_slo_unjudged_arms_count_only_when_the_policy_can_still_take_them() -> None:

@@ -216,6 +216,6 @@ def test_the_guards_read_the_acceptance_of_the_requests_band(model: GoodputModel
     assert hot.arm.key == "embedded:off"
     assert "temperature 1 (band >0.9): measured acceptance 0.10 pays no K at batch 1: off" in hot.reason
     greedy = policy.decide(ctx("code"), explore=False)
-    assert greedy.arm.key == "embedded:ngram" and greedy.acceptance_prior == 0.9
+    assert greedy.arm.key == "embedded:ngram" and greedy.spec.acceptance_prior == 0.9
     banded = LearnedPolicy(RuleConfig(), model, {**priors, "code:ngram@t0": 0.8}, seed=0, cost=steep())
-    assert banded.decide(ctx("code"), explore=False).acceptance_prior == 0.8
+    assert banded.decide(ctx("code"), explore=False).spec.acceptance_prior == 0.8

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specgate.engine.step_cost import StepCost
+from specgate.engine.vocab import LoadSnapshot, SpecParams
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
 from specgate.policies.exploration import ExplorationBudget
@@ -41,25 +42,30 @@ def decide(c: DecisionContext, rules: RuleConfig | None = None) -> str:
 @pytest.mark.parametrize("label", ["code", "tool_call", "summarization", "rag"])
 def test_speculates_where_the_evidence_says_it_pays(label: str) -> None:
     d = RulePolicy(RuleConfig(), seed=0).decide(ctx(label), explore=False)
-    assert d.arm.speculative and (d.k_min, d.k_max) == (0, 8)
+    assert d.arm.speculative and (d.spec.k_min, d.spec.k_max) == (0, 8)
 
 
 @pytest.mark.parametrize("label", ["math_reasoning", "qa", "translation"])
 def test_short_k_where_speculation_is_near_break_even(label: str) -> None:
     d = RulePolicy(RuleConfig(), seed=0).decide(ctx(label), explore=False)
-    assert d.arm.method == "ngram" and (d.k_min, d.k_max) == (0, 3)
+    assert d.arm.method == "ngram" and (d.spec.k_min, d.spec.k_max) == (0, 3)
 
 
 def test_high_temperature_open_chat_does_not_speculate() -> None:
     assert decide(ctx("open_chat", temperature=0.2)) == "embedded:ngram"
     d = RulePolicy(RuleConfig(), seed=0).decide(ctx("open_chat", temperature=1.0), explore=False)
-    assert d.arm.key == "embedded:off" and (d.k_min, d.k_max) == (0, 0) and "temperature" in d.reason
+    assert (
+        d.arm.key == "embedded:off" and (d.spec.k_min, d.spec.k_max) == (0, 0) and "temperature" in d.reason
+    )
 
 
 def test_large_batch_turns_speculation_off() -> None:
-    assert decide(ctx("code", load=Load(running=12, queue_depth=4))) == "embedded:off"
-    assert decide(ctx("code", load=Load(running=12, queue_depth=3))) == "embedded:ngram"
-    assert decide(ctx("code", load=Load(running=100)), RuleConfig(max_batch_for_spec=0)) == "embedded:ngram"
+    assert decide(ctx("code", load=Load(LoadSnapshot(num_running=12, num_waiting=4)))) == "embedded:off"
+    assert decide(ctx("code", load=Load(LoadSnapshot(num_running=12, num_waiting=3)))) == "embedded:ngram"
+    assert (
+        decide(ctx("code", load=Load(LoadSnapshot(num_running=100))), RuleConfig(max_batch_for_spec=0))
+        == "embedded:ngram"
+    )
 
 
 def test_structured_output_never_takes_an_unsafe_method() -> None:
@@ -74,7 +80,7 @@ def test_structured_output_never_takes_an_unsafe_method() -> None:
 
 def test_low_confidence_uses_the_uncertain_rule() -> None:
     d = RulePolicy(RuleConfig(), seed=0).decide(ctx("code", conf=0.3), explore=False)
-    assert d.arm.method == "ngram" and d.k_max == 3 and d.reason.startswith("uncertain")
+    assert d.arm.method == "ngram" and d.spec.k_max == 3 and d.reason.startswith("uncertain")
 
 
 def test_external_backend_decides_its_own_speculation_and_unhealthy_ones_are_skipped() -> None:
@@ -109,8 +115,8 @@ def test_rule_exploration_respects_rate_and_cap() -> None:
 
 def test_acceptance_prior_follows_class_and_method() -> None:
     policy = RulePolicy(RuleConfig(), priors={"code:ngram": 0.81}, seed=0)
-    assert policy.decide(ctx("code"), explore=False).acceptance_prior == 0.81
-    assert policy.decide(ctx("rag"), explore=False).acceptance_prior is None
+    assert policy.decide(ctx("code"), explore=False).spec.acceptance_prior == 0.81
+    assert policy.decide(ctx("rag"), explore=False).spec.acceptance_prior == SpecParams().acceptance_prior
 
 
 @pytest.mark.parametrize(
@@ -139,13 +145,13 @@ def test_measured_low_acceptance_at_high_temperature_keeps_speculation_off() -> 
     priors = {"open_chat:ngram": 0.7, "open_chat:ngram@t0.9+": 0.12}
     policy = RulePolicy(RuleConfig(), priors, seed=0, cost=cost)
     d = policy.decide(ctx("open_chat", temperature=1.0, arms=list(PLAIN_AND_NGRAM)), explore=False)
-    assert d.arm.key == "embedded:off" and d.acceptance_prior is None
+    assert d.arm.key == "embedded:off" and d.spec.method == "off" and d.spec.k_max == 0
     assert "temperature 1 (band >0.9): measured acceptance 0.12 pays no K at batch 1: off" in d.reason
     # The measurement decided, not the threshold; and it is no load turn-off for the dashboard.
     assert "nothing measured" not in d.reason and LOAD_OFF not in d.reason, d.reason
     # Greedy, the class's pooled acceptance pays.
     greedy = policy.decide(ctx("open_chat", arms=list(PLAIN_AND_NGRAM)), explore=False)
-    assert greedy.arm.key == "embedded:ngram" and greedy.acceptance_prior == 0.7
+    assert greedy.arm.key == "embedded:ngram" and greedy.spec.acceptance_prior == 0.7
 
 
 @pytest.mark.parametrize("label", ["qa", "code", "math_reasoning"])
@@ -173,8 +179,8 @@ def test_measured_high_acceptance_speculates_above_the_threshold() -> None:
     d = policy.decide(ctx("open_chat", temperature=1.0), explore=False)
     assert d.arm.key == "embedded:ngram", d.reason
     assert "temperature 1 (band >0.9): measured acceptance 0.80 pays K 3 at batch 1: on" in d.reason
-    assert (d.k_min, d.k_max) == (0, cost.best_k(1, 0.8, 4)) == (0, 3)
-    assert d.acceptance_prior == 0.8  # the band's, not the class's pooled 0.3
+    assert (d.spec.k_min, d.spec.k_max) == (0, cost.best_k(1, 0.8, 4)) == (0, 3)
+    assert d.spec.acceptance_prior == 0.8  # the band's, not the class's pooled 0.3
     # Past the threshold, a raised one included: still the measurement.
     hotter = RulePolicy(RuleConfig(high_temperature=0.5), priors, seed=0, cost=cost)
     assert hotter.decide(ctx("open_chat", temperature=1.3), explore=False).arm.key == "embedded:ngram"
@@ -187,7 +193,9 @@ def test_a_band_that_pays_alone_but_not_at_this_batch_is_a_load_turn_off() -> No
     policy = RulePolicy(RuleConfig(), priors, seed=0, cost=steep())
     idle = ctx("open_chat", temperature=1.0, arms=list(PLAIN_AND_NGRAM))
     assert policy.decide(idle, explore=False).arm.key == "embedded:ngram"
-    busy = ctx("open_chat", temperature=1.0, load=Load(running=1), arms=list(PLAIN_AND_NGRAM))
+    busy = ctx(
+        "open_chat", temperature=1.0, load=Load(LoadSnapshot(num_running=1)), arms=list(PLAIN_AND_NGRAM)
+    )
     d = policy.decide(busy, explore=False)
     assert d.arm.key == "embedded:off" and "batch 1 past the measured crossover: speculation off" in d.reason
 
@@ -221,4 +229,4 @@ def test_a_version_stored_before_the_bands_decides_as_it_did() -> None:
     hot = policy.decide(ctx("open_chat", temperature=1.0), explore=False)
     assert hot.arm.key == "embedded:off" and "nothing measured at this temperature" in hot.reason
     warm = policy.decide(ctx("open_chat", temperature=0.5), explore=False)
-    assert warm.arm.key == "embedded:ngram" and warm.acceptance_prior == 0.9
+    assert warm.arm.key == "embedded:ngram" and warm.spec.acceptance_prior == 0.9

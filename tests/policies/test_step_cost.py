@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
 from specgate.policies.load import Load
@@ -21,7 +22,9 @@ SPEC_OFF_MARK = re.compile(r".*: speculation off.*")  # the dashboard's LIKE '%:
 
 
 def ctx(label: str, batch: int) -> DecisionContext:
-    return DecisionContext(label, 0.95, {"temperature": 0.0}, Load(running=batch), list(ARMS))
+    return DecisionContext(
+        label, 0.95, {"temperature": 0.0}, Load(LoadSnapshot(num_running=batch)), list(ARMS)
+    )
 
 
 def test_the_policy_follows_the_measured_crossover_not_the_constant() -> None:
@@ -34,7 +37,7 @@ def test_the_policy_follows_the_measured_crossover_not_the_constant() -> None:
     policy = RulePolicy(rules, priors, seed=0, cost=cost)
     below = policy.decide(ctx("code", crossover - 2), explore=False)  # this request makes it crossover - 1
     assert below.arm.method == "ngram"
-    assert 1 <= below.k_max <= 8 and below.k_max == cost.best_k(crossover - 1, 0.7, 8)
+    assert 1 <= below.spec.k_max <= 8 and below.spec.k_max == cost.best_k(crossover - 1, 0.7, 8)
     above = policy.decide(ctx("code", crossover), explore=False)
     assert above.arm.method == "off" and SPEC_OFF_MARK.match(above.reason), above.reason
     # Without measurements the constant still guards.

@@ -13,10 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from specgate.engine.model_source import resolve_model
 from specgate.engine.outputs import RequestOutput, RequestStats, TokenLogprob
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import check_template
-from specgate.gateway.backends.embedded.chunks import Answer, ChunkWriter, final_body, metrics_of, usage_of
+from specgate.gateway.backends.embedded.chunks import (
+    Answer,
+    ChunkWriter,
+    final_body,
+    final_stats,
+    metrics_of,
+    usage_of,
+)
 from specgate.gateway.backends.embedded.prompt import Prepared, prepare, prompt_chars
 from specgate.gateway.engine_core.client import EngineCoreClient, InprocClient, connect, start_in_process
 from specgate.gateway.engine_core.messages import EngineUnavailable
@@ -271,7 +278,7 @@ class EmbeddedBackend:
                 # Known once the prompt is scheduled: a request cancelled later still reports it. The
                 # first sequence prefilled the prompt (the others started on its blocks).
                 if item.index == 0:
-                    call.observed.cached_tokens = item.stats.num_cached_tokens
+                    call.observed.cached_tokens = item.num_cached_tokens
                 unfinished -= item.finished
                 finished = not unfinished
                 yield item
@@ -285,24 +292,15 @@ class EmbeddedBackend:
         """The request's counts, all of its sequences together (one request, one record): completion
         tokens and speculation counters summed, the first choice's finish reason."""
         obs = call.observed
-        stats = finals[0].stats if len(finals) == 1 else RequestStats.merged([o.stats for o in finals])
+        each = final_stats(finals)
+        stats = each[0] if len(each) == 1 else RequestStats.merged(each)
         obs.n = len(finals)
         obs.finish_reason = finals[0].finish_reason
         obs.completion_tokens = stats.num_output_tokens
         obs.queue_time = stats.queue_time
         obs.spec_decoding = fmt.spec_decoding(stats)
-        st = stats.spec
-        if st is not None:
-            obs.spec_steps = list(
-                zip(
-                    st.per_step_drafted,
-                    st.per_step_accepted,
-                    st.per_step_batch_tokens,
-                    st.per_step_ms,
-                    st.per_step_depth,
-                    strict=True,
-                )
-            )
+        if stats.spec is not None:
+            obs.spec_steps = list(stats.spec.steps)
 
     async def complete(self, call: BackendCall) -> dict[str, Any]:
         prep, q = await self._submit(call)
@@ -316,7 +314,7 @@ class EmbeddedBackend:
                 finals[out.index] = out
         last = [finals[i] for i in range(prep.n)]
         self._observe_final(call, last)
-        stats = [o.stats for o in last]
+        stats = final_stats(last)
         answers: list[Answer] = [("".join(texts[i]), lps[i], o.finish_reason) for i, o in enumerate(last)]
         body = final_body(call, prep, answers, usage_of(prep, stats), self._token_text)
         body["metrics"] = metrics_of(call, stats)

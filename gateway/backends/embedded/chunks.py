@@ -73,6 +73,14 @@ class _Choice:
         self.offset = len(prep.echo)
 
 
+def final_stats(finals: list[RequestOutput]) -> list[RequestStats]:
+    """Each sequence's counters, from its finished output (the one output that carries them)."""
+    stats = [o.stats for o in finals]
+    if any(s is None for s in stats):
+        raise ValueError("counters come with finished outputs only")
+    return [s for s in stats if s is not None]
+
+
 def usage_of(prep: Prepared, stats: list[RequestStats]) -> dict[str, Any]:
     """OpenAI's usage of a request's sequences: the prompt (and its cached tokens) once, the
     completion tokens of every choice summed."""
@@ -106,7 +114,7 @@ class ChunkWriter:
 
     def final_stats(self) -> list[RequestStats]:
         """Every choice's counters, by index, once all have finished."""
-        return [self.finals[i].stats for i in range(len(self.choices))]
+        return final_stats([self.finals[i] for i in range(len(self.choices))])
 
     def _chunk(
         self,
@@ -161,7 +169,8 @@ class ChunkWriter:
                 deltas = [{**tc, "index": i} for i, tc in enumerate(calls)]
                 chunks.append(self._chunk(choice, "", delta={"tool_calls": deltas}))
         last = self._chunk(choice, "", finish)
-        last["metrics"] = fmt.metrics_from_stats(out.stats, self.call.route)
+        (own,) = final_stats([out])
+        last["metrics"] = fmt.metrics_from_stats(own, self.call.route)
         if not self.call.request.include_usage:
             return [*chunks, last]
         last["usage"] = None

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.grammar import Grammar
 from specgate.engine.sampling_params import MAX_N, SamplingParams
+from specgate.engine.structured_output.grammar import Grammar
 from specgate.gateway.backends.base import BackendCall
 from specgate.gateway.backends.embedded.chat_template import (
     chat_template_for,

@@ -12,7 +12,7 @@ format it does not know), checked before the request reaches the engine.
 
 JSON schemas are read as the peers read them (llama.cpp's converter, vLLM's xgrammar, OpenAI's
 strict mode): an object schema that lists `properties` admits no others unless it says
-`additionalProperties` (engine/grammar.py `closed_objects`); `structured_outputs:
+`additionalProperties` (engine/structured_output/grammar.py `closed_objects`); `structured_outputs:
 {"disable_additional_properties": false}` asks for plain JSON Schema instead, whichever field
 carries the schema.
 """
@@ -24,7 +24,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.engine.grammar import MAX_SCHEMA_DEPTH, Grammar, check, closed_objects, schema_depth
+from specgate.engine.structured_output.grammar import (
+    MAX_SCHEMA_DEPTH,
+    Grammar,
+    check,
+    closed_objects,
+    schema_depth,
+)
 from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest, CompletionRequest, StructuredOutputs
 

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specgate.engine.grammar import closed_objects
+from specgate.engine.structured_output.grammar import closed_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -55,9 +55,9 @@ class ScrapeError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ScrapedLoad:
     source: str  # "vllm" | "sglang" | "llama.cpp" | "specgate"
-    running: int  # requests being decoded now
-    waiting: int  # requests queued for a batch slot
-    kv_usage: float | None  # share of KV cache in use, [0, 1]; None if not reported
+    num_running: int  # requests being decoded now
+    num_waiting: int  # requests queued for a batch slot
+    kv_cache_usage: float | None  # share of KV cache in use, [0, 1]; None if not reported
     # Cumulative speculation counters since the server started (None: it reports none, i.e. it does
     # not speculate or does not say). Monotonic counters; the caller takes deltas.
     spec_drafts: float | None
@@ -298,9 +298,9 @@ def _read(src: _Source, parsed: _Parsed) -> ScrapedLoad:
         )
     return ScrapedLoad(
         source=src.name,
-        running=running,
-        waiting=waiting,
-        kv_usage=kv_usage,
+        num_running=running,
+        num_waiting=waiting,
+        kv_cache_usage=kv_usage,
         spec_drafts=drafts,
         spec_draft_tokens=draft_tokens,
         spec_accepted_tokens=accepted,

@@ -15,6 +15,7 @@ from specgate.gateway.protocol.errors import GatewayError
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from specgate.gateway.services import Services
 from specgate.gateway.telemetry.queries.stats import window_stats
+from specgate.policies.load import Load
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -74,7 +75,7 @@ def _models(svc: Services, name: str) -> list[str]:
     return [] if backend is None else list(backend.model_ids())
 
 
-def _backend_load(load: Any, name: str) -> dict[str, Any] | None:
+def _backend_load(load: Load, name: str) -> dict[str, Any] | None:
     b = load.backends.get(name)
     if b is None:
         return None
@@ -82,9 +83,9 @@ def _backend_load(load: Any, name: str) -> dict[str, Any] | None:
         "in_flight": b.in_flight,
         "latency_ewma_ms": b.latency_ewma_ms,
         "healthy": b.healthy,
-        "running": b.running,
-        "waiting": b.waiting,
-        "kv_usage": b.kv_usage,
+        "running": b.num_running,
+        "waiting": b.num_waiting,
+        "kv_usage": b.kv_cache_usage,
         "batch": b.batch,
         "speculative": b.speculative,
         "acceptance_length": b.acceptance_length,

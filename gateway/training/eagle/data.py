@@ -18,7 +18,7 @@ from specgate.engine.block_manager import BlockManager
 from specgate.engine.engine import Engine
 from specgate.engine.model_runner import ModelRunner
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.backends.embedded.chat_template import render_chat
 from specgate.policies.training import dataset
 from specgate.policies.training.classifier import split_by_group

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specgate.engine.engine import Engine
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.training.eagle.data import submit
 
 
@@ -34,8 +34,8 @@ def acceptance_by_class(
     requests: dict[str, int] = defaultdict(int)
     while engine.has_unfinished():
         for out in engine.step():
-            if not out.finished:
-                continue
+            if out.stats is None:
+                continue  # not finished: the counters come with the finished output
             progress(1)
             cat = classes[out.request_id]
             requests[cat] += 1

@@ -37,7 +37,7 @@ from specgate.engine.models.family import family_of, unsupported
 from specgate.engine.models.llama import CompactCausalLM
 from specgate.engine.models.quantized import GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
 from tests.engine.gguf_fixture import GREEDY, MIXED, write_gguf
 from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference

@@ -18,7 +18,7 @@ from specgate.engine.engine import Engine
 from specgate.engine.kernels import extension
 from specgate.engine.models.quantized import GGUFEmbedding, GGUFLinear
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.conftest import _save_tiny, tiny_config_kwargs
 from tests.engine.gguf_fixture import GREEDY, MIXED, write_gguf
 from tests.engine.gguf_fixture import dequantized_reference as _dequantized_reference
@@ -171,7 +171,7 @@ def test_trees_and_deep_verifications_are_token_identical_to_plain(
     if params.max_tree_nodes > params.num_speculative_tokens:
         assert sum(s.num_tree_drafts for s in steps) > 0
     else:
-        assert max(d for s in steps for d in s.per_step_drafted) > 16
+        assert max(step.drafted for s in steps for step in s.steps) > 16
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

@@ -59,6 +59,7 @@ def test_gguf_names() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_the_default_model_is_served_as_its_gguf_stores_it() -> None:
     try:
         source = default_model_source()

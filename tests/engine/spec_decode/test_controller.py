@@ -20,7 +20,7 @@ from specgate.engine.spec_decode.controller import (
     choose_k,
 )
 from specgate.engine.spec_decode.cost_model import CostModel
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 
 
 class FixedCosts(CostModel):

@@ -10,8 +10,8 @@ import pytest
 
 from specgate.engine.spec_decode.controller import Candidate, SpecState, choose_k
 from specgate.engine.spec_decode.cost_model import PRIOR_MARGINAL_FRACTION, WINDOW, CostModel
-from specgate.engine.spec_decode.params import SpecParams
 from specgate.engine.step_cost import StepCost
+from specgate.engine.vocab import SpecParams
 from tests.engine.test_step_cost import linear
 
 

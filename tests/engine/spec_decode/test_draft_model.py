@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from specgate.engine import draft_tree
 from specgate.engine.block_manager import blocks_for
 from specgate.engine.sampler import SamplingRow, process_logits
 from specgate.engine.sampling_params import SamplingParams
+from specgate.engine.spec_decode import draft_tree
 from specgate.engine.spec_decode.draft_model import DraftModelProposer
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest, ProposerContext
 from tests.conftest import VOCAB_SIZE, build_tokenizer

@@ -173,7 +173,7 @@ def test_a_tree_is_eagle_2s_best_nodes_by_path_probability(runner: ModelRunner, 
     """Every node holds one of its parent's top `tree_branch` draft tokens and scores its draft
     probability there (each checked against a cache-free recompute along the node's path); the first
     path is the greedy chain; no node left out has a higher path probability than one kept."""
-    from specgate.engine import draft_tree as dt
+    from specgate.engine.spec_decode import draft_tree as dt
 
     ctx = ProposerContext(
         VOCAB_SIZE,

@@ -32,12 +32,11 @@ from llguidance import LLMatcher
 from scipy.stats import chisquare
 
 from specgate.engine.block_manager import BlockManager
-from specgate.engine.constraint import Constraint, ConstraintError
-from specgate.engine.drafting import Drafter
 from specgate.engine.outputs import RequestStats
 from specgate.engine.sampler import SamplingRow, process_logits, sample
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.sequence import Sequence
+from specgate.engine.spec_decode.drafting import Drafter
 from specgate.engine.spec_decode.proposer import (
     Proposal,
     ProposalRequest,
@@ -48,6 +47,7 @@ from specgate.engine.spec_decode.proposer import (
 from specgate.engine.spec_decode.rejection_sampler import verify_draft
 from specgate.engine.spec_decode.tree_proposal import histories
 from specgate.engine.stop_rules import sampling_row
+from specgate.engine.structured_output.constraint import Constraint, ConstraintError
 
 VOCAB = 6
 # The automaton over the output: state -> {allowed token: next state}. State 1 forces 4, state 4
@@ -508,6 +508,7 @@ def _case_id(proposer: str, start: tuple[int, ...], params: SamplingParams) -> s
 @pytest.mark.parametrize(
     ("proposer", "start", "params"), CORRECT_CASES, ids=[_case_id(*c) for c in CORRECT_CASES]
 )
+@pytest.mark.slow
 def test_sampled_speculation_follows_the_masked_law(
     proposer: str, start: tuple[int, ...], params: SamplingParams
 ) -> None:

@@ -115,7 +115,7 @@ def test_proposer_drafts_each_request_of_a_batch_independently() -> None:
 
 
 def test_a_tree_merges_every_matched_continuation_with_the_chain_first() -> None:
-    from specgate.engine import draft_tree as dt
+    from specgate.engine.spec_decode import draft_tree as dt
     from specgate.engine.spec_decode.ngram import ngram_tree
 
     # [2, 3] was followed by 7 8, by 9 5 and (most recently) by 7 6: the chain is 7 6.

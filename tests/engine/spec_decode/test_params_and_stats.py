@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from specgate.engine.outputs import RequestStats, SpecStats
+from specgate.engine.outputs import RequestOutput, RequestStats, SpecStats
 from specgate.engine.spec_decode.draft_model import DraftModelProposer
 from specgate.engine.spec_decode.ngram import NgramProposer
-from specgate.engine.spec_decode.params import SpecParams
 from specgate.engine.spec_decode.proposers import PROPOSERS, proposer_factory, proposer_names
+from specgate.engine.vocab import SpecParams, SpecStep
 
 
 @pytest.mark.parametrize(
@@ -46,44 +46,46 @@ def test_spec_params_enabled() -> None:
     assert not SpecParams(method="off", k_max=8).enabled
 
 
+def chain(drafted: int, accepted: int) -> SpecStep:
+    return SpecStep(drafted, accepted, batch_tokens=drafted + 1, step_ms=1.0, depth=drafted)
+
+
 def test_spec_stats_record_worked_example() -> None:
     s = SpecStats(method="ngram")
     assert s.mean_acceptance_length == 0.0 and s.draft_acceptance_rate == 0.0
-    s.record(3, 2)
+    s.record(chain(3, 2))
     assert s.num_accepted_tokens_per_pos == [1, 1, 0]
-    s.record(4, 4)
+    s.record(chain(4, 4))
     assert s.num_accepted_tokens_per_pos == [2, 2, 1, 1]
-    s.record(2, 0)
+    s.record(chain(2, 0))
     assert s.num_accepted_tokens_per_pos == [2, 2, 1, 1]
     assert s.num_drafts == 3
     assert s.num_draft_tokens == 9
     assert s.num_accepted_tokens == 6
-    assert s.per_step_drafted == [3, 4, 2]
-    assert s.per_step_accepted == [2, 4, 0]
+    assert [(step.drafted, step.accepted) for step in s.steps] == [(3, 2), (4, 4), (2, 0)]
     # (6 accepted drafts + one recovered or bonus token per step) / 3 steps
     assert s.mean_acceptance_length == pytest.approx(3.0)
     assert s.draft_acceptance_rate == pytest.approx(6 / 9)
+    assert s.num_tree_drafts == 0
 
 
-def test_request_stats_snapshot_does_not_see_later_updates() -> None:
-    stats = RequestStats(arrival_time=1.0, num_prompt_tokens=4, spec=SpecStats(method="suffix"))
-    assert stats.spec is not None
-    stats.spec.record(2, 1)
-    stats.token_times.append(2.0)
-    stats.num_output_tokens = 2
-    snap = stats.snapshot()
-    stats.spec.record(4, 4)
-    stats.token_times.append(3.0)
-    stats.num_output_tokens = 6
-    assert snap.spec is not None and snap.spec is not stats.spec
-    assert snap.spec.num_accepted_tokens_per_pos == [1, 0]
-    assert snap.spec.per_step_drafted == [2]
-    assert snap.spec.per_step_accepted == [1]
-    assert snap.spec.num_drafts == 1 and snap.spec.num_draft_tokens == 2
-    assert snap.token_times == [2.0]
-    assert snap.num_output_tokens == 2
-    assert stats.spec.num_accepted_tokens_per_pos == [2, 1, 1, 1]  # the original did change
-    assert RequestStats(arrival_time=0.0, num_prompt_tokens=1).snapshot().spec is None
+def test_a_tree_step_counts_by_depth() -> None:
+    s = SpecStats(method="suffix")
+    s.record(SpecStep(drafted=7, accepted=2, batch_tokens=8, step_ms=1.0, depth=3))  # 7 nodes, 3 deep
+    assert s.num_tree_drafts == 1 and s.num_draft_tokens == 7
+    assert s.num_accepted_tokens_per_pos == [1, 1, 0]  # position i is depth i + 1
+    assert s.steps[0].tree
+
+
+def test_counters_come_once_with_the_finished_output() -> None:
+    stats = RequestStats(arrival_ts=1.0, num_prompt_tokens=4, spec=SpecStats(method="suffix"))
+    RequestOutput("r", [1], "a", False, None)  # a step's news: no counters
+    done = RequestOutput("r", [2], "b", True, "length", stats)
+    assert done.stats is stats
+    with pytest.raises(ValueError, match="finished"):
+        RequestOutput("r", [1], "a", False, None, stats)
+    with pytest.raises(ValueError, match="finished"):
+        RequestOutput("r", [2], "b", True, "length")
 
 
 def test_unknown_proposer_names_the_known_methods() -> None:

@@ -65,6 +65,7 @@ def _target_rows() -> list[SamplingRow]:
 
 
 @pytest.mark.parametrize("proposer", ["point_mass", "draft_distribution"])
+@pytest.mark.slow
 def test_emitted_tokens_follow_the_target_distribution(proposer: str) -> None:
     """Chi-square: the first emitted token is distributed as the processed target p, and the
     second (bonus or following a recovery) as p's next-position law, for either kind of draft."""
@@ -144,6 +145,7 @@ def _tree_target() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draft", ["point_mass", "sampled_without_replacement"])
+@pytest.mark.slow
 def test_tree_emits_tokens_distributed_as_the_target(draft: str) -> None:
     """Chi-square at three depths of a tree with branching 2: the first emitted token follows the
     root's law, the second the law of the child accepted first (node 0 or node 3), the third (after

@@ -343,7 +343,7 @@ def test_draft_length_grows_with_the_match_length(factor: float, by_context: dic
 
 
 def test_a_speculation_tree_keeps_the_likeliest_continuations() -> None:
-    from specgate.engine import draft_tree as dt
+    from specgate.engine.spec_decode import draft_tree as dt
     from specgate.engine.spec_decode.suffix_tree import draft_tree_from
 
     tree = SuffixTree(8)

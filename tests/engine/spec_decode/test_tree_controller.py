@@ -10,7 +10,7 @@ from specgate.engine.spec_decode.controller import (
     TreeCandidate,
     grow_trees,
 )
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from tests.engine.spec_decode.test_controller import FixedCosts
 
 # Root children 0 (first path 0 -> 1 -> 2) and 3 (-> 4); node 0 has a second child 5.

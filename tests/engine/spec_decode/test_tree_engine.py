@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from specgate.engine.draft_tree import TreeBuilder
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.spec_decode.draft_tree import TreeBuilder
 from specgate.engine.spec_decode.proposer import Proposal, ProposalRequest
+from specgate.engine.vocab import SpecParams
 from tests.engine.spec_decode.test_speculative_engine import FixedCosts, proposer_options, repetitive_prompts
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts, run_to_completion, tokens
 
@@ -66,9 +66,7 @@ def test_trees_chains_and_plain_requests_in_one_batch_agree(
     if controller == "static":  # goodput may rightly find no branch worth a token in a batch of 9
         tree_stats = [outs[f"tree{i}"][-1].stats.spec for i in range(len(ps))]
         assert sum(s.num_tree_drafts for s in tree_stats) > 0
-        assert any(
-            n > d for s in tree_stats for n, d in zip(s.per_step_drafted, s.per_step_depth, strict=True)
-        )
+        assert any(step.drafted > step.depth for s in tree_stats for step in s.steps)
 
 
 def plain_outputs(engine: Engine, ps: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
@@ -125,7 +123,7 @@ def test_accepted_branches_off_the_first_path_move_into_place(make_engine: Calla
     expected = plain_outputs(make_engine(), ps, 30)
     engine = make_engine(max_num_batched_tokens=256)
     engine.cost_model = FixedCosts()
-    engine._proposers["ngram"] = OracleTrees(expected, engine.runner.vocab_size)
+    engine.speculation.proposers["ngram"] = OracleTrees(expected, engine.runner.vocab_size)
     moved = _count_moves(engine)
     spec = SpecParams(method="ngram", controller="static", num_speculative_tokens=3, max_tree_nodes=24)
     for i, p in enumerate(ps):
@@ -234,7 +232,7 @@ def test_malformed_trees_are_dropped_and_requests_go_on(make_engine: Callable[..
     expected = plain_outputs(make_engine(), ps, 30)
     engine = make_engine(max_num_batched_tokens=256)
     engine.cost_model = FixedCosts()
-    engine._proposers["ngram"] = Malformed(expected, engine.runner.vocab_size)
+    engine.speculation.proposers["ngram"] = Malformed(expected, engine.runner.vocab_size)
     spec = SpecParams(method="ngram", num_speculative_tokens=3, max_tree_nodes=24)
     for i, p in enumerate(ps):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, **GREEDY), spec)

@@ -55,6 +55,7 @@ def test_generate_unknown_speculation_method_is_a_clean_error(
     assert "unknown speculation method" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_runs_the_gateway_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import os
     import signal

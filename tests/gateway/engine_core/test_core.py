@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 
 from specgate.engine.sampling_params import SamplingParams
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import LoadSnapshot, SpecParams
 from specgate.gateway.engine_core.client import EngineCoreClient
 from specgate.gateway.engine_core.core import EngineCore
 from specgate.gateway.engine_core.messages import (
     AbortRequest,
     AddRequest,
     Batch,
-    EngineLoad,
     Item,
     Request,
     Shutdown,
@@ -106,6 +105,6 @@ def test_messages_are_validated_when_made() -> None:
     with pytest.raises(ValueError, match="request_id"):
         AddRequest("", [1], SamplingParams(max_tokens=1), None)
     with pytest.raises(ValueError, match="state"):
-        Batch([], 0, EngineLoad(), state="sleeping")
+        Batch([], 0, LoadSnapshot(), state="sleeping")
     with pytest.raises(ValueError, match="taken"):
-        Batch([], -1, EngineLoad())
+        Batch([], -1, LoadSnapshot())

@@ -39,7 +39,7 @@ from tests.gateway.live import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 LONG = {"max_tokens": 480, "ignore_eos": True}  # about all the tiny model's context allows
 
 
@@ -116,7 +116,7 @@ def test_a_stream_through_the_core_is_token_for_token_the_engine_thread(
     body = _body(model_name, max_tokens=40)
     text = _stream_text(live, body)
     assert text and text == _stream_text(gateway, body)  # `gateway`: the engine thread, same model
-    assert client.load.steps > 0  # the load figures come back with each step
+    assert client.load.num_steps > 0  # the load figures come back with each step
     ready = httpx.get(f"{live.url}/readyz", headers=ADMIN_HEADERS).json()["checks"]["embedded_model"]
     assert ready["state"] == "ready" and ready["num_running"] == 0
     assert "specgate" in httpx.get(f"{live.url}/metrics").text
@@ -140,14 +140,14 @@ def test_the_prefix_salt_reaches_the_core(served: Served, model_name: str) -> No
 
 def test_a_client_that_leaves_aborts_its_request_in_the_core(served: Served, model_name: str) -> None:
     client = _client(served)
-    before = client.load.steps
+    before = client.load.num_steps
     body = {**_body(model_name, **LONG), "stream": True}
     with httpx.stream("POST", f"{served.live.url}/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         for _ in range(4):
             next(lines)
     assert wait_for(lambda: client.load.num_running == 0 and client.load.kv_blocks_used == 0, 10)
-    assert client.load.steps - before < LONG["max_tokens"] - 100  # stopped early: the abort arrived
+    assert client.load.num_steps - before < LONG["max_tokens"] - 100  # stopped early: the abort arrived
 
 
 def test_a_killed_core_is_a_retryable_503_and_the_gateway_reconnects_to_its_replacement(

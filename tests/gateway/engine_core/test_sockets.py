@@ -122,7 +122,7 @@ def test_each_connection_gets_its_model_and_only_its_own_outputs(
         qa = a.submit("same-id", prompts[0], GREEDY, None)
         qb = b.submit("same-id", prompts[1], GREEDY, None)
         outs = await asyncio.gather(_collect(qa), _collect(qb))
-        assert a.num_waiting == b.num_waiting == 0 and a.load.steps > 0  # taken, counted per connection
+        assert a.num_waiting == b.num_waiting == 0 and a.load.num_steps > 0  # taken, counted per connection
         await a.close()
         await b.close()
         return list(outs)

@@ -56,6 +56,7 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
     assert client_address({"client": ("10.1.2.3", 1)}, {b"x-forwarded-for": b"1.1.1.1"}, []) == "10.1.2.3"
 
 
+@pytest.mark.slow
 def test_refused_traffic_is_limited_per_address(tiny_llama_dir: Path) -> None:
     live = start_gateway(
         tiny_settings(

@@ -76,6 +76,7 @@ def _guard(live: LiveGateway) -> object:
     return live.server.config.http_protocol_class.guard  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_a_half_sent_head_gets_408_and_the_connection_is_closed(guarded: LiveGateway) -> None:
     s = _connect(guarded)
     s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the head
@@ -88,6 +89,7 @@ def test_a_half_sent_head_gets_408_and_the_connection_is_closed(guarded: LiveGat
     assert 0.4 < took < 3.0
 
 
+@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline(guarded: LiveGateway) -> None:
     s = _connect(guarded)
     start = time.monotonic()
@@ -95,6 +97,7 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline(guarded:
     assert time.monotonic() - start < 3.0
 
 
+@pytest.mark.slow
 def test_the_head_deadline_runs_again_for_each_request_on_a_kept_alive_connection(
     guarded: LiveGateway,
 ) -> None:
@@ -123,6 +126,7 @@ def test_a_body_that_stops_coming_is_a_408_and_a_record(guarded: LiveGateway) ->
     assert rec is not None and rec.status == 408 and rec.error_code == "request_timeout"
 
 
+@pytest.mark.slow
 def test_a_trickling_body_is_cut_at_the_whole_body_deadline(guarded: LiveGateway) -> None:
     s = _connect(guarded)
     s.sendall(
@@ -170,6 +174,7 @@ def test_a_half_open_flood_from_one_address_leaves_the_gateway_answering(guarded
         s.close()
 
 
+@pytest.mark.slow
 def test_connections_busy_with_a_request_are_never_closed_for_a_newcomer(
     tiny_llama_dir: Path,
 ) -> None:
@@ -219,6 +224,7 @@ def test_the_process_cap_stays_below_the_file_limit() -> None:
     assert connection_cap(ConnectionSettings(max_connections=10_000), 1024) == 768
 
 
+@pytest.mark.slow
 def test_1500_half_open_connections_leave_a_256_descriptor_gateway_answering(tmp_path: Path) -> None:
     """The attack as the issue saw it: a worker limited to 256 descriptors, flooded from one address."""
     port = free_port()

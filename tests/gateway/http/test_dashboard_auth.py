@@ -164,6 +164,7 @@ def test_sign_out_revokes_and_the_session_endpoint(live: LiveGateway) -> None:
     assert httpx.get(f"{live.url}/admin/policy", cookies=cookies).status_code == 401
 
 
+@pytest.mark.slow
 def test_every_process_with_the_key_accepts_the_session(live: LiveGateway) -> None:
     cookies, token = session(live)
     twin = gateway()  # another worker or replica: its own process state, the same configuration
@@ -184,6 +185,7 @@ def test_every_process_with_the_key_accepts_the_session(live: LiveGateway) -> No
         other.stop()
 
 
+@pytest.mark.slow
 def test_a_signed_out_cookie_stays_refused_by_other_replicas_and_after_a_restart(tmp_path: Any) -> None:
     url = f"sqlite:///{tmp_path / 'shared.db'}"
 
@@ -275,6 +277,7 @@ def test_without_an_admin_key_there_is_no_dashboard() -> None:
         gw.stop()
 
 
+@pytest.mark.slow
 def test_a_session_is_not_locked_out_by_its_addresss_refusals() -> None:
     gw = start_gateway(
         tiny_settings(

@@ -302,6 +302,7 @@ def test_the_rate_limit_applies(a: FakeUpstream) -> None:
         assert rec.api_key_id is not None  # counted against its key
 
 
+@pytest.mark.slow
 def test_the_in_flight_cap_applies(a: FakeUpstream) -> None:
     knobs = {"read_timeout": 1.5, "max_retries": 0}
     with running_gateway(

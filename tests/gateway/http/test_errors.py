@@ -216,6 +216,7 @@ def test_overload_is_503_with_retry_after(
     assert [r.status for r in rec].count(503) == 1 and rec[-1].status == 200  # the waiting one was served
 
 
+@pytest.mark.slow
 def test_every_refused_request_leaves_exactly_one_record(guarded: LiveGateway, model_name: str) -> None:
     url = f"{guarded.url}/v1/chat/completions"
     # A key of its own: every request counts against its key's rate limit, refused ones included.

@@ -20,6 +20,7 @@ from tests.gateway.live import start_gateway, tiny_settings, wait_for
 KEY = "adm-exposure-0123456789"
 
 
+@pytest.mark.slow
 def test_docs_and_the_schema_are_off_unless_enabled(tiny_llama_dir: Path) -> None:
     assert Settings().docs is False
     live = start_gateway(tiny_settings(str(tiny_llama_dir), docs=False, log_requests=False))

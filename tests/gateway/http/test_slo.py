@@ -22,6 +22,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry.records import RequestRecord
 from specgate.gateway.telemetry.rows import request_row
@@ -396,12 +397,14 @@ def record(backend: str, load: Load, route: RouteDecision | None = None) -> Requ
 
 def test_the_new_columns_of_an_external_backends_row() -> None:
     route = RouteDecision(
-        model=PUBLIC, backends=["r0", "r1"], spec=None, slo={"ttft_ms": 600.0, "tpot_ms": 60.0}
-    )
-    route.pools = {"r0": "pool:upstream", "r1": "pool:upstream"}
-    route.affinity = {"group": "pool", "source": "prefix", "home": "r0", "chosen": "r1", "matched_blocks": 9}
-    route.served_by("r1", True)
-    scraped = BackendLoad(in_flight=2, running=6, waiting=3)  # its /metrics: 6 running, 3 queued
+        model=PUBLIC,
+        backends=["r0", "r1"],
+        spec=None,
+        slo={"ttft_ms": 600.0, "tpot_ms": 60.0},
+        pools={"r0": "pool:upstream", "r1": "pool:upstream"},
+        affinity={"group": "pool", "source": "prefix", "home": "r0", "chosen": "r1", "matched_blocks": 9},
+    ).served_by("r1", True)
+    scraped = BackendLoad(in_flight=2, num_running=6, num_waiting=3)  # its /metrics: 6 running, 3 queued
     row = request_row(record("r1", Load(backends={"r0": BackendLoad(1), "r1": scraped}), route))
     assert row["load_backend_batch"] == 9 and row["prefix_matched_blocks"] == 9
     assert (row["slo_ttft_ms"], row["slo_tpot_ms"]) == (600.0, 60.0)
@@ -412,6 +415,6 @@ def test_the_new_columns_of_an_external_backends_row() -> None:
 
 
 def test_the_embedded_engines_batch_is_the_one_the_router_saw() -> None:
-    load = Load(queue_depth=3, running=5, engine=True, backends={"embedded": BackendLoad(1, external=False)})
+    load = Load(LoadSnapshot(num_waiting=3, num_running=5), {"embedded": BackendLoad(1, external=False)})
     assert load.batch_of("embedded") == 8
     assert request_row(record("embedded", load))["load_backend_batch"] == 8

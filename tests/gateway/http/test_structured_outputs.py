@@ -532,6 +532,7 @@ HOSTILE: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.slow
 def test_hostile_grammars_are_400s_and_leave_a_running_stream_alone(
     client: openai.OpenAI, model_name: str
 ) -> None:

@@ -67,6 +67,7 @@ def _hog(live: LiveGateway, n: int, tokens: int) -> tuple[list[threading.Thread]
     return threads, statuses
 
 
+@pytest.mark.slow
 def test_a_key_over_its_cap_gets_429_with_retry_after_and_others_do_not(tenants: LiveGateway) -> None:
     threads, statuses = _hog(tenants, 16, 120)  # more than its 12 in flight
     worker = tenants.services.registry.embedded.client  # type: ignore[union-attr]
@@ -89,6 +90,7 @@ def test_a_key_over_its_cap_gets_429_with_retry_after_and_others_do_not(tenants:
     assert _post(tenants, HOG, 2).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_victims_short_request_overtakes_the_hogs_queue(tenants: LiveGateway) -> None:
     threads, statuses = _hog(tenants, 12, 150)  # every batch slot and the whole queue
     worker = tenants.services.registry.embedded.client  # type: ignore[union-attr]
@@ -157,6 +159,7 @@ def test_in_process_counts_go_back_to_nothing() -> None:
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.slow
 def test_a_client_at_its_cap_is_never_refused_for_answers_it_already_has(stream: bool) -> None:
     """Clients that each wait for their answer before sending the next hold one slot each: as many
     clients as the cap allows, back to back, are never refused. A slot is free once the client has
@@ -185,6 +188,7 @@ def test_a_client_at_its_cap_is_never_refused_for_answers_it_already_has(stream:
     assert statuses.count(200) == clients * each, sorted(set(statuses))
 
 
+@pytest.mark.slow
 def test_a_request_refused_by_a_limit_is_still_counted_against_its_key() -> None:
     from tests.gateway.fake_upstream import FakeUpstream, backend, running_gateway
     from tests.gateway.live import record_of

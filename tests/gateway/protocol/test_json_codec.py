@@ -43,6 +43,7 @@ def _same(a: Any, b: Any) -> bool:
 
 @settings(max_examples=400, deadline=None)
 @given(documents, st.booleans())
+@pytest.mark.slow
 def test_loads_agrees_with_the_standard_library_or_leaves_it_to_it(doc: Any, ascii_only: bool) -> None:
     text = json.dumps(doc, ensure_ascii=ascii_only)
     try:
@@ -57,6 +58,7 @@ def test_loads_agrees_with_the_standard_library_or_leaves_it_to_it(doc: Any, asc
 
 @settings(max_examples=400, deadline=None)
 @given(documents)
+@pytest.mark.slow
 def test_dumps_encodes_what_the_standard_library_reads_back_the_same(doc: Any) -> None:
     encoded = json_codec.dumps(doc)
     if encoded is None:

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from tests.gateway.fake_upstream import FakeUpstream, backend, metric_value, openai_client, running_gateway
 from tests.gateway.live import LiveGateway
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 MODEL = "pooled-model"
 NAMES = ("p0", "p1", "p2")

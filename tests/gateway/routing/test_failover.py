@@ -140,6 +140,7 @@ def test_a_long_retry_after_moves_on_to_the_next_backend_at_once(a: FakeUpstream
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_a_hung_backend_fails_over_after_its_read_timeout(
     a: FakeUpstream, b: FakeUpstream, stream: bool
 ) -> None:
@@ -210,6 +211,7 @@ def test_all_backends_down_is_503_with_retry_after(stream: bool) -> None:
 # ---- breakers ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_breaker_opens_after_repeated_failures_and_closes_after_the_cooldown(
     a: FakeUpstream, b: FakeUpstream
 ) -> None:
@@ -243,6 +245,7 @@ def test_breaker_opens_after_repeated_failures_and_closes_after_the_cooldown(
     assert metric_value(text_after, "specgate_backend_up", backend="a") == 1.0
 
 
+@pytest.mark.slow
 def test_failed_trial_reopens_the_breaker(a: FakeUpstream, b: FakeUpstream) -> None:
     cooldown = 0.3
     a.script(Reply.error(503), Reply.error(503))

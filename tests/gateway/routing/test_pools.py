@@ -21,7 +21,7 @@ from specgate.gateway.policy.store import MemoryPolicyStore
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.protocol.schemas import ChatCompletionRequest
 from specgate.gateway.routing.affinity import HashRing, session_key
-from specgate.gateway.routing.router import Router, RoutingPolicy
+from specgate.gateway.routing.router import Plan, Router, RoutingPolicy
 from specgate.gateway.settings import Settings
 from specgate.policies.classifier import DEFAULT_ARTIFACT, WorkloadClassifier
 from specgate.policies.load import Load
@@ -76,7 +76,12 @@ def chat(text: str, system: str | None = None, **kw: Any) -> ChatCompletionReque
 def route(router: Router, request: ChatCompletionRequest) -> RouteDecision:
     """The route the router decides now, at the registry's current load (as a request is routed:
     the prefix index learns where it went)."""
-    return router.route(request, Load(backends=router.registry.loads()))
+    return planned(router, request).route
+
+
+def planned(router: Router, request: ChatCompletionRequest, scope: str | None = "") -> Plan:
+    """The plan (the route and the prompt's block hashes affinity read) at the current load."""
+    return router.plan(request, Load(backends=router.registry.loads()), scope=scope)
 
 
 # ---- arms ------------------------------------------------------------------------------------------
@@ -187,7 +192,9 @@ def test_served_by_a_member_is_the_pools_arm_and_keeps_the_propensity() -> None:
     assert d.chosen_arm == "pool:upstream" and d.propensity is not None
     propensity = d.propensity
     other = next(n for n in REPLICAS if n != d.backends[0])  # another replica (a failover inside the pool)
-    d.served_by(other, True)
+    planned_affinity = d.affinity
+    d = d.served_by(other, True)
+    assert planned_affinity is not None and "hit" not in planned_affinity  # the planned route is as it was
     assert d.arm == "pool:upstream" and d.backend == other and d.propensity == propensity
     out = d.as_dict()
     assert out["arm"] == "pool:upstream" and out["propensity"] == propensity and "chosen_arm" not in out
@@ -199,7 +206,7 @@ def test_served_by_another_pool_drops_the_propensity() -> None:
     r = pool(be("solo"))
     d = r.route(chat("Tell me something.", seed=1), Load(backends=r.registry.loads()))
     assert d.chosen_arm == "pool:upstream" and d.propensity is not None
-    d.served_by("solo", True)  # every replica failed: the next pool served
+    d = d.served_by("solo", True)  # every replica failed: the next pool served
     assert d.arm == "solo:upstream" and d.propensity is None
     out = d.as_dict()
     assert out["arm"] == "solo:upstream" and out["chosen_arm"] == "pool:upstream" and "propensity" not in out
@@ -231,8 +238,9 @@ def test_a_long_shared_system_prompt_meets_on_one_replica() -> None:
     st = r.settings.affinity
     assert st.mode == "prefix" and len(LONG_SYSTEM) >= st.min_match_blocks * st.block_chars
     first, second = two_users(r, LONG_SYSTEM)
-    d1 = route(r, first)
-    assert d1.affinity is not None and d1.prefix_blocks
+    p1 = planned(r, first)
+    d1 = p1.route
+    assert d1.affinity is not None and p1.prefix_blocks
     assert d1.affinity["chosen"] == home(r, first) and d1.affinity["prefix_reason"] == "no match"
     assert d1.affinity["matched_blocks"] == 0 and d1.affinity["prompt_chars"] > len(LONG_SYSTEM)
     assert "blocks" not in d1.affinity  # the hashes are never recorded
@@ -294,15 +302,15 @@ def test_past_the_bounded_load_cap_the_request_spills() -> None:
 
 def test_observe_records_the_blocks_where_a_failover_served_them() -> None:
     r = pool()
-    d = route(r, chat("How do I reset my password?", LONG_SYSTEM))
-    assert d.affinity is not None and d.prefix_blocks
+    p = planned(r, chat("How do I reset my password?", LONG_SYSTEM))
+    d, blocks = p.route, p.prefix_blocks
+    assert d.affinity is not None and blocks
     chosen = d.affinity["chosen"]
     other = next(n for n in REPLICAS if n != chosen)
     index = r.affinity.index["pool"]
-    blocks = d.prefix_blocks
     assert index.match(blocks, REPLICAS) == {n: len(blocks) if n == chosen else 0 for n in REPLICAS}
-    d.served_by(other, True)
-    r.affinity.observe(d, cached_tokens=None, prompt_tokens=None)
+    d = d.served_by(other, True)
+    r.affinity.observe(d, blocks, cached_tokens=None, prompt_tokens=None)
     assert index.match(blocks, [other]) == {other: len(blocks)}
     # The chosen replica never got the blocks past what it held before; the next conversation on
     # the same system prompt finds it where it went.
@@ -315,28 +323,31 @@ def test_observe_records_the_blocks_where_a_failover_served_them() -> None:
 def test_observe_ignores_a_route_without_prefix_blocks_or_outside_the_group() -> None:
     r = pool(be("solo"))
     index = r.affinity.index["pool"]
-    d = route(r, chat("How do I reset my password?", LONG_SYSTEM))
-    assert d.prefix_blocks
+    p = planned(r, chat("How do I reset my password?", LONG_SYSTEM))
+    d, blocks = p.route, p.prefix_blocks
+    assert blocks
     before = {n: index.held(n) for n in REPLICAS}
     chosen = d.affinity["chosen"] if d.affinity else None
-    assert chosen in REPLICAS and before[chosen] == len(d.prefix_blocks)
-    d.served_by("solo", True)  # another pool served: not a replica of this group
-    r.affinity.observe(d, cached_tokens=0, prompt_tokens=100)
+    assert chosen in REPLICAS and before[chosen] == len(blocks)
+    d = d.served_by("solo", True)  # another pool served: not a replica of this group
+    r.affinity.observe(d, blocks, cached_tokens=0, prompt_tokens=100)
     # The chosen replica never got the prompt; solo is not in this group's index.
     assert index.held(chosen) == 0 and index.held("solo") == 0
     assert all(index.held(n) == before[n] for n in REPLICAS if n != chosen)
-    d.prefix_blocks = None
-    r.affinity.observe(d, cached_tokens=0, prompt_tokens=100)  # nothing to do
+    after = {n: index.held(n) for n in REPLICAS}
+    r.affinity.observe(d, None, cached_tokens=0, prompt_tokens=100)  # nothing to do
+    assert {n: index.held(n) for n in REPLICAS} == after
 
 
 def test_session_mode_still_hashes_the_session_key() -> None:
     r = pool(affinity={"mode": "session"})
     first, second = two_users(r, LONG_SYSTEM)
     for request in (first, second, first):
-        d = route(r, request)
+        p = planned(r, request)
+        d = p.route
         assert d.affinity is not None and d.backends[0] == home(r, request)
         assert d.affinity["source"] == "prefix" and d.affinity["home"] == home(r, request)
-        assert "prefix_reason" not in d.affinity and d.prefix_blocks is None
+        assert "prefix_reason" not in d.affinity and p.prefix_blocks is None
     # The ring is the one every process builds from the names alone.
     ring = HashRing(REPLICAS, r.settings.affinity.ring_points)
     keyed = session_key(first, r.settings.affinity.prompt_chars)
@@ -350,7 +361,7 @@ def test_session_mode_still_hashes_the_session_key() -> None:
 def test_an_operators_explain_leaves_the_prefix_index_alone() -> None:
     r = pool()
     request = chat("How do I reset my password?", LONG_SYSTEM)
-    asked = r.plan(request, Load(backends=r.registry.loads()), explore=False).route
+    asked = r.plan(request, Load(backends=r.registry.loads()), explore=False)
     assert asked.prefix_blocks
     assert r.affinity.index["pool"].match(asked.prefix_blocks, REPLICAS) == dict.fromkeys(REPLICAS, 0)
 
@@ -358,27 +369,29 @@ def test_an_operators_explain_leaves_the_prefix_index_alone() -> None:
 def test_a_replica_reporting_less_cached_than_matched_is_believed_to_keep_less() -> None:
     r = pool()
     index = r.affinity.index["pool"]
-    first = route(r, chat("How do I reset my password?", LONG_SYSTEM))
-    d = route(r, chat("Where is my invoice?", LONG_SYSTEM))
+    first = planned(r, chat("How do I reset my password?", LONG_SYSTEM))
+    p = planned(r, chat("Where is my invoice?", LONG_SYSTEM))
+    d, blocks = p.route, p.prefix_blocks
     assert d.affinity is not None and d.affinity["matched_blocks"] >= r.settings.affinity.min_match_blocks
+    assert blocks
     served = d.affinity["chosen"]
-    d.served_by(served, True)
+    d = d.served_by(served, True)
     full = index.capacity(served)
     chars = d.affinity["prompt_chars"]
     # It reports nothing cached although the index matched the whole system prompt: evicted, or a
     # burst that beat the first prefill; only the third such report in a row shrinks the belief.
     for _ in range(2):
-        r.affinity.observe(d, cached_tokens=0, prompt_tokens=chars // 4)
+        r.affinity.observe(d, blocks, cached_tokens=0, prompt_tokens=chars // 4)
         assert index.capacity(served) == full
-    r.affinity.observe(d, cached_tokens=0, prompt_tokens=chars // 4)
+    r.affinity.observe(d, blocks, cached_tokens=0, prompt_tokens=chars // 4)
     shrunk = index.capacity(served)
     assert shrunk >= r.settings.affinity.index_blocks // 16
     assert shrunk < full and index.held(served) <= shrunk
-    assert index.match(d.prefix_blocks or [], [served])[served] == len(d.prefix_blocks or [])  # prefilled now
+    assert index.match(blocks, [served])[served] == len(blocks)  # prefilled now
     # Reports that agree let the belief grow back.
     matched_tokens = d.affinity["matched_blocks"] * r.settings.affinity.block_chars * (chars // 4) // chars
     for _ in range(3):
-        r.affinity.observe(d, cached_tokens=matched_tokens + 64, prompt_tokens=chars // 4)
+        r.affinity.observe(d, blocks, cached_tokens=matched_tokens + 64, prompt_tokens=chars // 4)
     assert shrunk < index.capacity(served) <= full
     assert first.prefix_blocks
 
@@ -388,8 +401,9 @@ def test_prompts_match_only_within_their_prefix_cache_scope() -> None:
     index = r.affinity.index["pool"]
     loads = Load(backends=r.registry.loads())
     first, second = two_users(r, LONG_SYSTEM)
-    alice = r.route(first, loads, scope="tenant-a")
-    assert alice.prefix_blocks and alice.affinity is not None
+    alice_plan = r.plan(first, loads, scope="tenant-a")
+    alice = alice_plan.route
+    assert alice_plan.prefix_blocks and alice.affinity is not None
     # Another tenant's request with the same system prompt learns nothing of it.
     mallory = r.route(second, Load(backends=r.registry.loads()), scope="tenant-b")
     assert mallory.affinity is not None
@@ -400,19 +414,20 @@ def test_prompts_match_only_within_their_prefix_cache_scope() -> None:
     assert again.backends[0] == alice.backends[0]
     # Nobody's (prefix_cache_scope off): no match, and nothing recorded to match later.
     held = {n: index.held(n) for n in REPLICAS}
-    nobody = r.route(first, Load(backends=r.registry.loads()), scope=None)
-    assert nobody.affinity is not None and nobody.affinity["best_matched_blocks"] == 0
+    nobody = planned(r, first, scope=None)
+    assert nobody.route.affinity is not None and nobody.route.affinity["best_matched_blocks"] == 0
     assert nobody.prefix_blocks is None and {n: index.held(n) for n in REPLICAS} == held
 
 
 def test_a_request_not_served_leaves_no_blocks_behind() -> None:
     r = pool()
     index = r.affinity.index["pool"]
-    d = route(r, chat("How do I reset my password?", LONG_SYSTEM))
-    assert d.affinity is not None and d.prefix_blocks
+    p = planned(r, chat("How do I reset my password?", LONG_SYSTEM))
+    d = p.route
+    assert d.affinity is not None and p.prefix_blocks
     chosen = d.affinity["chosen"]
-    assert index.held(chosen) == len(d.prefix_blocks)
-    r.affinity.undo(d)  # refused (an SLO 429) or failed on every backend
+    assert index.held(chosen) == len(p.prefix_blocks)
+    r.affinity.undo(d, p.prefix_blocks)  # refused (an SLO 429) or failed on every backend
     assert index.held(chosen) == 0
 
 

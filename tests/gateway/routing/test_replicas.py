@@ -22,7 +22,7 @@ from tests.gateway.live import free_port
 from tests.gateway.pg import postgres_database
 from tests.policies import synthetic_telemetry as synth
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 ADMIN = "adm-replicas-01234567"
 HEADERS = {"authorization": f"Bearer {ADMIN}"}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.backends.registry import BackendRegistry
 from specgate.gateway.backends.upstream.client import UpstreamClient
 from specgate.gateway.protocol.errors import GatewayError

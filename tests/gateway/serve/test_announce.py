@@ -6,7 +6,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 from specgate.gateway.serve.announce import announce
+
+pytestmark = pytest.mark.slow  # real waits on a polling HTTP server
 
 
 def test_ready_is_announced_when_readyz_first_answers_200() -> None:

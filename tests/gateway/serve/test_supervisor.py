@@ -154,6 +154,7 @@ def fleet(tiny_llama_dir: Path) -> Iterator[Fleet]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_both_workers_serve_and_the_shared_engine_answers_as_one_process_does(
     fleet: Fleet, client: openai.OpenAI
 ) -> None:
@@ -186,6 +187,7 @@ def test_both_workers_serve_and_the_shared_engine_answers_as_one_process_does(
     assert fleet.requests_counted() == total
 
 
+@pytest.mark.slow
 def test_only_the_engine_core_loads_torch(fleet: Fleet) -> None:
     """The supervisor and the workers serve without torch (about 0.3 GB of RSS each): the core owns it."""
     core = fleet.core_pid()
@@ -194,6 +196,7 @@ def test_only_the_engine_core_loads_torch(fleet: Fleet) -> None:
     assert not any(maps_torch(pid) for pid in (fleet.proc.pid, *fleet.seen))
 
 
+@pytest.mark.slow
 def test_a_killed_core_is_a_retryable_503_and_the_workers_reconnect(fleet: Fleet) -> None:
     core = fleet.core_pid()
     assert core is not None
@@ -225,6 +228,7 @@ def test_a_killed_core_is_a_retryable_503_and_the_workers_reconnect(fleet: Fleet
     assert wait_for(served, 60, interval=0.5)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_counts_are_kept(fleet: Fleet) -> None:
     before = fleet.requests_counted()
     victim = next(iter(fleet.seen & fleet.children()))
@@ -242,6 +246,7 @@ def test_a_killed_worker_is_replaced_and_its_counts_are_kept(fleet: Fleet) -> No
     assert fleet.requests_counted() >= before  # a dead worker's requests stay counted
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_process_and_removes_the_run_directory(fleet: Fleet) -> None:
     family = fleet.children()
     assert len(family) >= 3  # two workers, the core (and multiprocessing's resource tracker)

@@ -13,13 +13,17 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from specgate.engine.engine import Engine
 from specgate.engine.errors import RequestError
 from specgate.engine.sampling_params import SamplingParams
-from specgate.gateway.engine_core.messages import Batch, EngineLoad, EngineUnavailable, Item
+from specgate.engine.vocab import LoadSnapshot
+from specgate.gateway.engine_core.messages import Batch, EngineUnavailable, Item
 from specgate.gateway.engine_core.model_info import ModelInfo
 
 
+@pytest.mark.slow
 def test_the_supervisor_and_a_worker_import_no_torch(
     make_engine: Callable[..., Engine], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -28,7 +32,7 @@ def test_the_supervisor_and_a_worker_import_no_torch(
     outputs = engine.step()
     deliveries: list[tuple[str, Item]] = [(o.request_id, o) for o in outputs]
     deliveries += [("x", RequestError("too long")), ("y", EngineUnavailable("rebuilding"))]
-    batch = Batch(deliveries, 1, EngineLoad(num_running=1))
+    batch = Batch(deliveries, 1, LoadSnapshot(num_running=1))
     messages = tmp_path / "from_the_core.pickle"
     messages.write_bytes(pickle.dumps([ModelInfo.of(engine), batch]))
     script = textwrap.dedent(

@@ -35,25 +35,25 @@ def test_queries_run_and_answer(db_url: str, tmp_path: Path) -> None:
     w.start()
     for i in range(40):
         rec = record(i)
-        route = rec.route
-        assert route is not None
-        route.workload_class = "code" if i % 2 else "open_chat"
+        assert rec.route is not None
+        routed: dict[str, Any] = {"workload_class": "code" if i % 2 else "open_chat"}
         change: dict[str, Any] = {}
         if i % 4 == 0:  # plain decoding, faster on open chat: ngram "loses" there
-            route.spec = None
+            routed["spec"] = None
             change |= {"spec_decoding": {"method": None}, "completion_tokens": 200}
         if i % 5 == 1:
             change["cached_tokens"] = None  # a backend that does not report its prefix-cache hits
         if i % 10 == 9:
             change |= {"outcome": "error", "status": 503, "error_code": "overloaded"}
         if i < 12:  # routed within a replica group; every third one away from its home replica
-            route.affinity = {
+            routed["affinity"] = {
                 "group": "pool",
                 "source": "user",
                 "home": "a",
                 "chosen": "a",
                 "hit": i % 3 != 0,
             }
+        change["route"] = dataclasses.replace(rec.route, **routed)
         w.submit(dataclasses.replace(rec, **change))
     assert w.flush()
     w.close()

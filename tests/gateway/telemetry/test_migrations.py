@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -85,6 +86,7 @@ def test_one_head() -> None:
     assert heads == ["0012"]
 
 
+@pytest.mark.slow
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     engine = schema.make_engine(db_url)
     assert schema.current_revision(engine) is None
@@ -241,6 +243,7 @@ def test_ensure_schema_upgrades_only_when_allowed(pg_url: str, sqlite_url: str) 
     lite.dispose()
 
 
+@pytest.mark.slow
 def test_db_command_and_plain_alembic(pg_url: str, tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[3]
     run = [sys.executable, "-m", "specgate.gateway.cli.main", "db"]

@@ -22,7 +22,7 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.settings import TelemetrySettings
 from specgate.gateway.telemetry.records import RequestRecord
@@ -37,7 +37,7 @@ def record(name: str) -> RequestRecord:
     # numpy scalars do reach records (a classifier's probabilities, in what the policy saw)
     features = {"p_code": np.float64(0.75), "p_chat": np.float32(0.25), "prompt_chars": 42}
     route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8), features=features)
-    route.served_by("embedded", external=False)
+    route = route.served_by("embedded", external=False)
     return RequestRecord(
         name,
         "chat",
@@ -89,6 +89,7 @@ def _worker_process(path: str, n: int) -> None:
     assert sink.counters.dropped == 0
 
 
+@pytest.mark.slow
 def test_records_from_threads_and_a_process_all_land(tmp: Path, store: TelemetryStore) -> None:
     path = str(tmp / "t.sock")
     server = RecordRelayServer(store, path).start()
@@ -122,6 +123,7 @@ def test_records_from_threads_and_a_process_all_land(tmp: Path, store: Telemetry
     assert features["p_code"] == 0.75
 
 
+@pytest.mark.slow
 def test_a_dead_server_then_a_new_one_loses_nothing(tmp: Path, store: TelemetryStore) -> None:
     path = str(tmp / "t.sock")
     sink = RelaySink(path, flush_interval=0.01, max_backoff=0.05).start()
@@ -220,7 +222,8 @@ def test_a_value_json_has_no_form_for_still_lands(tmp: Path, store: TelemetrySto
     sink = RelaySink(path).start()
     odd = record("odd")
     assert odd.route is not None
-    odd.route.features = {"when": dt.date(2026, 1, 2), "what": object()}
+    features = {"when": dt.date(2026, 1, 2), "what": object()}
+    odd = dataclasses.replace(odd, route=dataclasses.replace(odd.route, features=features))
     sink.submit(record("first"))
     sink.submit(odd)  # encoded on the spot, the odd values as their text
     sink.submit(record("last"))

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 
 from specgate.bench.tcp_proxy import behind_proxy
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import LoadSnapshot, SpecParams, SpecStep
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry import schema
 from specgate.gateway.telemetry import writer as writer_module
@@ -30,7 +30,7 @@ from specgate.policies.load import BackendLoad, Load
 
 def record(i: int, **kw: Any) -> RequestRecord:
     route = RouteDecision("m", ["embedded"], SpecParams("ngram", "goodput", 0, 8))
-    route.served_by("embedded", external=False)
+    route = route.served_by("embedded", external=False)
     received = time.time() - 1
     spec = {
         "method": "ngram",
@@ -53,9 +53,12 @@ def record(i: int, **kw: Any) -> RequestRecord:
         "first_token_time": received + 0.05,
         "finished_time": time.time(),
         "spec_decoding": spec,
-        "spec_steps": [(3, 2, 7, 12.5, 3), (3, 1, 7, 11.0, 2)],  # the second a tree of 3 nodes, 2 deep
+        "spec_steps": [
+            SpecStep(3, 2, 7, 12.5, 3),
+            SpecStep(3, 1, 7, 11.0, 2),
+        ],  # the second a tree of 3 nodes, 2 deep
         "load": Load(
-            engine=True, queue_depth=1, running=3, kv_usage=0.25, backends={"embedded": BackendLoad(2)}
+            LoadSnapshot(num_waiting=1, num_running=3, kv_cache_usage=0.25), {"embedded": BackendLoad(2)}
         ),
     }
     return RequestRecord(f"req-{i}", "chat", "m", arrival_time=received, stream=False, **(fields | kw))
@@ -113,6 +116,7 @@ def test_spec_steps_are_off_by_default(sqlite_url: str, tmp_path: Path) -> None:
     assert count(sqlite_url) == 1 and count(sqlite_url, spec_steps) == 0
 
 
+@pytest.mark.slow
 def test_database_down_during_a_burst_loses_nothing(pg_url: str, tmp_path: Path) -> None:
     schema.upgrade(pg_url)
     proxy, via_proxy = behind_proxy(pg_url)
@@ -258,12 +262,13 @@ def test_values_are_fitted_to_their_columns(db_url: str, tmp_path: Path) -> None
         upstream={"big": "y" * 200_000},
     )
     assert rec.route is not None
-    rec.route.features = {
+    features = {
         "x": float("inf"),
         "\udfff": ["\ud800", 2**70],
         "deep": [[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]],
     }
-    rec = dataclasses.replace(rec, model="\ud800bad\x00" + "m" * 1000)
+    route = dataclasses.replace(rec.route, features=features)
+    rec = dataclasses.replace(rec, model="\ud800bad\x00" + "m" * 1000, route=route)
     w.submit(rec)
     assert w.flush()
     w.close()
@@ -314,6 +319,7 @@ def test_a_spool_with_a_bad_row_replays_the_rest(sqlite_url: str, tmp_path: Path
     assert count(sqlite_url, telemetry_quarantine) == 1
 
 
+@pytest.mark.slow
 def test_each_process_owns_its_spool_and_takes_over_a_crashed_ones(sqlite_url: str, tmp_path: Path) -> None:
     schema.upgrade(sqlite_url)
     spool_dir = tmp_path / "spool"
@@ -351,7 +357,7 @@ _SIBLING = """
 import os, sys, time
 from specgate.gateway.telemetry.spool import Spool
 from specgate.gateway.telemetry.rows import request_row
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.protocol.route import RouteDecision
 from specgate.gateway.telemetry.records import RequestRecord
 spool = Spool(sys.argv[1])

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.policies.arms import Arm
 from specgate.policies.decision import Decision, DecisionContext
 from specgate.policies.exploration import ExplorationBudget
@@ -25,7 +26,9 @@ NOISE = 0.1  # synthetic rows: log-normal noise on goodput (synth.rows)
 
 def ctx(label: str, arms: list[str], running: int = 4) -> DecisionContext:
     feats = synth.features(label, running, random.Random(1))
-    return DecisionContext(label, 0.95, feats, Load(running=running), [Arm.parse(a) for a in arms])
+    return DecisionContext(
+        label, 0.95, feats, Load(LoadSnapshot(num_running=running)), [Arm.parse(a) for a in arms]
+    )
 
 
 def frequencies(
@@ -61,6 +64,7 @@ def model() -> GoodputModel:
     return GoodputModel.fit(synth.rows(600, seed=3), min_arm_rows=20)
 
 
+@pytest.mark.slow
 def test_learned_policy_propensities_match_its_thompson_draws_and_exploration(model: GoodputModel) -> None:
     # A wide posterior (thompson_scale 8) so that both modelled arms are sampled often, and one
     # unmodelled arm that exploration reaches.

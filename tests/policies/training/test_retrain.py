@@ -40,7 +40,7 @@ def test_retrain_measures_acceptance_per_temperature_band() -> None:
     # Code at t=1 was never measured: its pooled prior (greedy rows) pays, and the engine starts
     # from it. Open chat at t=1 was, and its acceptance pays no K.
     code = policy.decide(DecisionContext("code", 0.95, {"temperature": 1.0}, Load(), arms), False)
-    assert code.arm.key == "embedded:ngram" and code.acceptance_prior == priors["code:ngram"]
+    assert code.arm.key == "embedded:ngram" and code.spec.acceptance_prior == priors["code:ngram"]
     chat = policy.decide(DecisionContext("open_chat", 0.95, {"temperature": 1.0}, Load(), arms), False)
     assert chat.arm.key == "embedded:off"
     assert "temperature 1 (band >0.9): measured acceptance 0.03 pays no K at batch 1: off" in chat.reason

@@ -33,9 +33,11 @@ def _call(stream: bool) -> tuple[BackendCall, Prepared]:
 
 
 def _outputs() -> list[RequestOutput]:
-    stats = RequestStats(arrival_time=0.0, num_prompt_tokens=3, num_output_tokens=len(PIECES))
+    stats = RequestStats(arrival_ts=0.0, num_prompt_tokens=3, num_output_tokens=len(PIECES))
     return [
-        RequestOutput("r1", [i], text, i == len(PIECES) - 1, "stop" if i == len(PIECES) - 1 else None, stats)
+        RequestOutput("r1", [i], text, True, "stop", stats)  # the counters: once, with the last
+        if i == len(PIECES) - 1
+        else RequestOutput("r1", [i], text, False, None)
         for i, text in enumerate(PIECES)
     ]
 
@@ -78,10 +80,10 @@ def test_a_stream_cut_by_length_keeps_its_complete_tool_calls() -> None:
     the finish reason stays "length"."""
     call, prep = _call(stream=True)
     writer = ChunkWriter(call, prep, str)
-    stats = RequestStats(arrival_time=0.0, num_prompt_tokens=3, num_output_tokens=2)
+    stats = RequestStats(arrival_ts=0.0, num_prompt_tokens=3, num_output_tokens=2)
     outs = [
         RequestOutput(
-            "r1", [0], '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False, None, stats
+            "r1", [0], '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False, None
         ),
         RequestOutput("r1", [1], "\n<tool_", True, "length", stats),
     ]

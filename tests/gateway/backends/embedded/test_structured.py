@@ -8,8 +8,14 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher
 
-from specgate.engine.constraint import Constraint
-from specgate.engine.grammar import MAX_SOURCE_CHARS, Grammar, GrammarCompiler, check, closed_objects
+from specgate.engine.structured_output.constraint import Constraint
+from specgate.engine.structured_output.grammar import (
+    MAX_SOURCE_CHARS,
+    Grammar,
+    GrammarCompiler,
+    check,
+    closed_objects,
+)
 from specgate.gateway.backends.embedded.structured import checked, requested_grammar, wants_json
 from specgate.gateway.backends.embedded.tools import forced_tool, tool_call_lark
 from specgate.gateway.protocol.errors import GatewayError

@@ -306,6 +306,7 @@ def test_attempts_metric_counts_retries(shared: Shared) -> None:
     assert after is not None and after - before == 3.0
 
 
+@pytest.mark.slow
 def test_retry_after_is_honoured(shared: Shared) -> None:
     live, fake = shared  # retry_backoff 0.01 s, max_retry_wait 2 s
     fake.script(Reply.error(429, "slow down", type="rate_limit_error", retry_after="1"))
@@ -472,6 +473,7 @@ def test_failure_after_the_stream_started_is_an_error_event(shared: Shared, repl
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.slow
 def test_a_hung_upstream_times_out_with_503(fake: FakeUpstream) -> None:
     fake.script(Reply.hang())
     with serve(fake, read_timeout=0.5, max_retries=0) as live:
@@ -592,6 +594,7 @@ def _trial_ends_with_an_error_event(live: LiveGateway, fake: FakeUpstream, strea
     ],
     ids=["client-left-during-trial", "client-left-during-streamed-trial", "error-event-in-trial"],
 )
+@pytest.mark.slow
 def test_a_half_open_trial_that_ends_oddly_does_not_wedge_the_breaker(
     fake: FakeUpstream, how: Any, stream: bool
 ) -> None:

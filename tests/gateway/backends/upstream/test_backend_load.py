@@ -110,7 +110,7 @@ def test_vllm_metrics_are_the_backends_load(fake: FakeUpstream) -> None:
     assert ok == [True] and fake.scrapes == 1
     load = b.load()
     # Two data-parallel engines: counts add up, KV usage is the fuller engine's.
-    assert (load.running, load.waiting, load.kv_usage) == (21, 3, 0.62)
+    assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (21, 3, 0.62)
     assert load.batch == 24 and load.in_flight == 0 and load.scraped
     assert load.features()["load_running"] == 21.0 and load.features()["load_queue"] == 3.0
     m = b.status()["metrics"]
@@ -150,13 +150,13 @@ def test_hostile_text_leaves_the_router_on_the_gateways_count(fake: FakeUpstream
     b2, ok2 = scraped(fake, vllm(running=9, waiting=4), text)
     assert ok2 == [True, False]
     load = b2.load()
-    assert (load.running, load.waiting, load.kv_usage) == (None, None, None)
+    assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (None, None, None)
     assert load.batch == load.in_flight == 0 and not load.scraped
     m = b2.status()["metrics"]
     assert m["load_source"] == "gateway" and m["running"] is None
     assert m["error"] is not None and why in m["error"], m["error"]
     # And a good scrape after it is believed again.
-    assert b.status()["metrics"]["error"] is None and b.load().running == 1
+    assert b.status()["metrics"]["error"] is None and b.load().num_running == 1
 
 
 @pytest.mark.parametrize(
@@ -191,9 +191,10 @@ def test_a_failing_metrics_endpoint_is_reported_not_believed(
     assert took < 3.0  # a hang costs at most the read timeout (or the scrape's own bound), never more
     m = b.status()["metrics"]
     assert m["load_source"] == "gateway" and m["error"] and why in m["error"], m["error"]
-    assert b.load().running is None and b.load().batch == 0
+    assert b.load().num_running is None and b.load().batch == 0
 
 
+@pytest.mark.slow
 def test_a_hang_is_cut_by_the_scrapes_own_bound(fake: FakeUpstream) -> None:
     """With a read timeout longer than a health interval (the defaults: 60 s against 5 s), the
     scrape gives up after connect_timeout + max(health_interval, 1) seconds: a health loop is never
@@ -212,7 +213,7 @@ def test_a_hang_is_cut_by_the_scrapes_own_bound(fake: FakeUpstream) -> None:
     ok, took = run(lambda: go(b))
     assert ok is False and 1.0 <= took < 2.5  # 0.2 + max(0.5, 1.0)
     assert b.status()["metrics"]["error"] == "TimeoutError"
-    assert b.load().running is None
+    assert b.load().num_running is None
 
 
 def test_a_hung_metrics_endpoint_is_reported_as_a_timeout(fake: FakeUpstream) -> None:
@@ -235,18 +236,18 @@ def test_a_scrape_older_than_three_health_intervals_is_not_used(fake: FakeUpstre
     b, ok = scraped(fake, vllm(running=7, waiting=0), health_interval=interval)
     assert ok == [True] and STALE_INTERVALS == 3.0
     b.scraped_at = time.monotonic() - 2.9 * interval
-    assert b.load().running == 7 and b.status()["metrics"]["load_source"] == "vllm"
+    assert b.load().num_running == 7 and b.status()["metrics"]["load_source"] == "vllm"
     b.scraped_at = time.monotonic() - 3.1 * interval
     assert b.fresh_scrape() is None
-    assert b.load().running is None and b.load().batch == 0
+    assert b.load().num_running is None and b.load().batch == 0
     m = b.status()["metrics"]
     assert m["load_source"] == "gateway" and m["running"] is None and m["age_s"] >= 6.0
     # With no health loop (interval 0) the horizon is three seconds.
     b0, _ = scraped(fake, vllm(running=7, waiting=0), health_interval=0.0)
     b0.scraped_at = time.monotonic() - 2.5
-    assert b0.load().running == 7
+    assert b0.load().num_running == 7
     b0.scraped_at = time.monotonic() - 3.5
-    assert b0.load().running is None
+    assert b0.load().num_running is None
 
 
 # ---- speculation: discovered or declared ------------------------------------------------------------
@@ -410,6 +411,7 @@ def entry(live: LiveGateway, name: str) -> dict[str, Any]:
     return next(b for b in admin_backends(live)["backends"] if b["name"] == name)
 
 
+@pytest.mark.slow
 def test_the_health_loop_scrapes_and_admin_backends_shows_the_source(fake: FakeUpstream) -> None:
     fake.metrics_text = vllm(running=6, waiting=2, kv=0.5, drafts=10, draft_tokens=30, accepted=20)
     loud = backend("loud", fake, health_interval=0.1)

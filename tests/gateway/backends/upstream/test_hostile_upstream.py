@@ -179,6 +179,7 @@ def test_a_full_local_pool_is_not_the_backends_fault(hostile: FakeUpstream) -> N
     assert status == 503 and failures == 0
 
 
+@pytest.mark.slow
 def test_a_stream_that_never_ends_is_cut_at_its_total_deadline(hostile: FakeUpstream) -> None:
     """Data events well within the idle timeout, forever: the total deadline still ends it."""
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'

@@ -70,11 +70,13 @@ SPECULATIVE = {
 def test_fixture_reads_as_expected(name: str) -> None:
     load = parse_metrics(fixture(name))
     expected = EXPECTED[name]
-    assert dataclasses.replace(load, kv_usage=None) == dataclasses.replace(expected, kv_usage=None)
-    if expected.kv_usage is None:
-        assert load.kv_usage is None
+    assert dataclasses.replace(load, kv_cache_usage=None) == dataclasses.replace(
+        expected, kv_cache_usage=None
+    )
+    if expected.kv_cache_usage is None:
+        assert load.kv_cache_usage is None
     else:
-        assert load.kv_usage == pytest.approx(expected.kv_usage)
+        assert load.kv_cache_usage == pytest.approx(expected.kv_cache_usage)
     assert load.speculative is SPECULATIVE[name]
 
 
@@ -97,7 +99,7 @@ def test_fixture_values_agree_with_prometheus_client(name: str) -> None:
     running, waiting = (round(sums[n]) for n in names)
     if load.source == "specgate":
         running -= waiting  # its in-flight gauge holds its queue too
-    assert (load.running, load.waiting) == (running, waiting)
+    assert (load.num_running, load.num_waiting) == (running, waiting)
     counters = {
         "vllm": "vllm:spec_decode_num_draft_tokens_total",
         "llama.cpp": "llamacpp:spec_decode_num_draft_tokens_total",
@@ -146,7 +148,7 @@ def test_untyped_minimal_text() -> None:
 
 def test_kv_usage_rounding_over_one_is_clamped() -> None:
     text = VLLM_SPEC.replace("} 0.1825", "} 1.0000005")
-    assert parse_metrics(text).kv_usage == 1.0
+    assert parse_metrics(text).kv_cache_usage == 1.0
 
 
 def test_older_llamacpp_with_kv_ratio_and_no_spec_counters() -> None:
@@ -206,7 +208,7 @@ def test_openmetrics_style_text() -> None:
         "# EOF\n"
     )
     load = parse_metrics(text)
-    assert (load.running, load.waiting, load.spec_draft_tokens) == (3, 1, 9.0)
+    assert (load.num_running, load.num_waiting, load.spec_draft_tokens) == (3, 1, 9.0)
 
 
 def test_label_values_with_escapes_and_odd_characters() -> None:
@@ -215,7 +217,7 @@ def test_label_values_with_escapes_and_odd_characters() -> None:
         'vllm:num_requests_running { model_name = "x" , engine = "1" , } 3\n'
         "vllm:num_requests_waiting{} 0\n"
     )
-    assert parse_metrics(text).running == 5
+    assert parse_metrics(text).num_running == 5
 
 
 def test_detection_order_prefers_vllm() -> None:
@@ -230,7 +232,7 @@ def test_leading_byte_order_mark_is_ignored() -> None:
 def test_snapshot_is_frozen_and_slotted() -> None:
     load = parse_metrics(fixture("vllm_spec.txt"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        load.running = 0  # type: ignore[misc]
+        load.num_running = 0  # type: ignore[misc]
     assert not hasattr(load, "__dict__")
 
 
@@ -354,7 +356,7 @@ def test_a_lie_in_a_metric_not_read_is_not_refused() -> None:
         'vllm:num_preemptions_total{model_name="meta-llama/Llama-3.1-8B-Instruct",engine="0"} 4.0',
         'vllm:num_preemptions_total{model_name="meta-llama/Llama-3.1-8B-Instruct",engine="0"} NaN',
     )
-    assert parse_metrics(text).running == 21
+    assert parse_metrics(text).num_running == 21
 
 
 # --- refused: not a known server, malformed, too big ----------------------------------------------
@@ -428,7 +430,7 @@ def test_hostile_label_values_cost_linear_time() -> None:
     many_labels = "other{" + ",".join(f'a{i}="x"' for i in range(150_000)) + "} 1\n"
     unclosed = 'other{a="' + "\\" * 3_000_000 + "\n"
     start = time.perf_counter()
-    assert parse_metrics(escaped).running == 1
+    assert parse_metrics(escaped).num_running == 1
     assert refused(many_labels + "vllm:num_requests_running 1\n") == "vllm:num_requests_waiting is missing"
     assert "malformed sample" in refused(unclosed)
     assert time.perf_counter() - start < 3.0
@@ -442,7 +444,7 @@ def test_a_full_size_realistic_text_parses_quickly() -> None:
     text += RUNNING + "\n" + WAITING + "\n"
     assert len(text) < MAX_TEXT_CHARS
     start = time.perf_counter()
-    assert parse_metrics(text).running == 4
+    assert parse_metrics(text).num_running == 4
     assert time.perf_counter() - start < 2.0
 
 
@@ -451,9 +453,9 @@ def test_a_full_size_realistic_text_parses_quickly() -> None:
 
 def _sound(load: ScrapedLoad) -> None:
     assert load.source in ("vllm", "sglang", "llama.cpp", "specgate")
-    assert isinstance(load.running, int) and 0 <= load.running <= 1_000_000
-    assert isinstance(load.waiting, int) and 0 <= load.waiting <= 1_000_000
-    assert load.kv_usage is None or 0.0 <= load.kv_usage <= 1.0
+    assert isinstance(load.num_running, int) and 0 <= load.num_running <= 1_000_000
+    assert isinstance(load.num_waiting, int) and 0 <= load.num_waiting <= 1_000_000
+    assert load.kv_cache_usage is None or 0.0 <= load.kv_cache_usage <= 1.0
     for counter in (load.spec_drafts, load.spec_draft_tokens, load.spec_accepted_tokens, load.accept_length):
         assert counter is None or (math.isfinite(counter) and counter >= 0)
     if load.spec_draft_tokens is not None and load.spec_accepted_tokens is not None:
@@ -544,4 +546,4 @@ def test_fuzz_label_values_round_trip(models: list[str], counts: list[int]) -> N
     ]
     lines.append("sglang:num_queue_reqs 0")
     load = parse_metrics("\n".join(lines) + "\n")
-    assert load.running == sum(counts[: len(models)])
+    assert load.num_running == sum(counts[: len(models)])

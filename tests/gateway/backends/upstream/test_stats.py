@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from specgate.engine.outputs import RequestStats, SpecStats
+from specgate.engine.vocab import SpecStep
 from specgate.gateway.backends.base import Observation
 from specgate.gateway.backends.upstream.stats import MAX_COUNT, capture, spec_from_upstream
 from specgate.gateway.protocol.openai_format import metrics_from_stats
@@ -502,12 +503,12 @@ SPECGATE_USAGE: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": 12, "
 
 
 def specgate_stats() -> RequestStats:
-    stats = RequestStats(arrival_time=100.0, num_prompt_tokens=5, num_output_tokens=12)
-    stats.first_scheduled_time, stats.first_token_time = 100.002, 100.030
-    stats.last_token_time = stats.finished_time = 100.140
+    stats = RequestStats(arrival_ts=100.0, num_prompt_tokens=5, num_output_tokens=12)
+    stats.scheduled_ts, stats.first_token_ts = 100.002, 100.030
+    stats.last_token_ts = stats.finished_ts = 100.140
     stats.spec = SpecStats("ngram")
     for drafted, accepted in [(4, 2), (4, 4), (4, 0)]:
-        stats.spec.record(drafted, accepted)
+        stats.spec.record(SpecStep(drafted, accepted, 0, 0.0, drafted))
     return stats
 
 

@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from specgate.engine.outputs import RequestStats, SpecStats
+from specgate.engine.vocab import SpecStep
 from specgate.gateway.protocol.openai_format import metrics_from_stats
 from tests.gateway.backends.upstream.test_stats import LLAMA_TIMINGS as STATS_LLAMA_TIMINGS
 from tests.gateway.backends.upstream.test_stats import SGLANG_META_NOW, VLLM_METRICS, VLLM_OLD_METRICS
@@ -192,12 +193,12 @@ def test_llama_cpp_timings(served: Served, stream: bool) -> None:
 
 def specgate_metrics() -> dict[str, Any]:
     """What another specgate's embedded engine answers: its `metrics`, built by the same code."""
-    stats = RequestStats(arrival_time=100.0, num_prompt_tokens=PROMPT_TOKENS, num_output_tokens=12)
-    stats.first_scheduled_time, stats.first_token_time = 100.002, 100.030
-    stats.last_token_time = stats.finished_time = 100.140
+    stats = RequestStats(arrival_ts=100.0, num_prompt_tokens=PROMPT_TOKENS, num_output_tokens=12)
+    stats.scheduled_ts, stats.first_token_ts = 100.002, 100.030
+    stats.last_token_ts = stats.finished_ts = 100.140
     stats.spec = SpecStats("ngram")
     for drafted, accepted in [(4, 2), (4, 4), (4, 0)]:
-        stats.spec.record(drafted, accepted)
+        stats.spec.record(SpecStep(drafted, accepted, 0, 0.0, drafted))
     return metrics_from_stats(stats, None)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.gateway.http.ui.dashboard import (
     KEY,
@@ -22,6 +23,8 @@ from tests.gateway.http.ui.dashboard import (
     tile,
 )
 from tests.gateway.live import LiveGateway
+
+pytestmark = pytest.mark.slow  # a real browser on a live gateway
 
 
 def test_wrong_key_is_refused(page: Any) -> None:

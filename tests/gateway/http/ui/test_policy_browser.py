@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.gateway.http.ui.dashboard import ADMIN, CODE, no_key_anywhere, show, sign_in
 from tests.gateway.live import LiveGateway, wait_for
+
+pytestmark = pytest.mark.slow  # a real browser on a live gateway
 
 
 def test_change_a_rule_see_a_new_version_then_roll_back(page: Any, live: LiveGateway) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from specgate.engine.vocab import LoadSnapshot
 from specgate.gateway.telemetry.queries.spec_series import LOAD_OFF_MARK
 from specgate.policies.arms import Arm
 from specgate.policies.decision import DecisionContext
@@ -21,7 +22,9 @@ def like(pattern: str, text: str) -> bool:
 
 def decide(running: int, waiting: int) -> str:
     arms = [Arm("embedded", "off"), Arm("embedded", "ngram")]
-    ctx = DecisionContext("code", 0.95, {"temperature": 0.0}, Load(waiting, running), arms)
+    ctx = DecisionContext(
+        "code", 0.95, {"temperature": 0.0}, Load(LoadSnapshot(num_running=running, num_waiting=waiting)), arms
+    )
     decision = RulePolicy(RuleConfig(max_batch_for_spec=4, exploration_rate=0.0)).decide(ctx, explore=False)
     return decision.reason if decision.arm.method == "off" else ""
 

@@ -12,7 +12,7 @@ import torch
 from specgate.engine.engine import Engine
 from specgate.engine.sampling_params import SamplingParams
 from specgate.engine.spec_decode.eagle_io import load_head, save_head
-from specgate.engine.spec_decode.params import SpecParams
+from specgate.engine.vocab import SpecParams
 from specgate.gateway.training.eagle.data import Sample, collect_features
 from specgate.gateway.training.eagle.train import TrainConfig, batch_loss, init_head, train
 from tests.conftest import VOCAB_SIZE
@@ -70,7 +70,7 @@ def samples(target: Path) -> list[Sample]:
     engine = Engine(
         EngineConfig(model=str(target), dtype="float32", device="cpu", block_size=4, num_blocks=1024)
     )
-    out = distill(engine, prompts(48, seed=1), max_tokens=24)
+    out = distill(engine, prompts(24, seed=1), max_tokens=24)
     collect_features(engine.runner, out, lambda n: None)
     return out
 
@@ -86,9 +86,14 @@ def test_features_are_the_targets_hidden_states(
     assert logits.argmax(-1).tolist() == s.token_ids[s.prompt_len :]
 
 
-def test_a_few_hundred_steps_raise_acceptance_well_above_an_untrained_head(
+def test_a_short_training_run_converges_and_raises_acceptance_above_an_untrained_head(
     samples: list[Sample], make_engine: Callable[..., Engine], target: Path, tmp_path: Path
 ) -> None:
+    """A convergence smoke test (seconds): 60 steps of 128 tokens at a high learning rate on 24
+    distilled answers. Measured over five seeds: the loss falls to 0.13-0.15 of its start and
+    held-out acceptance goes from ~0 to 0.88-0.92. Planted bugs fail it: no optimizer step or
+    ascending gradients (the loss), a head trained but not the one returned (acceptance 0), features
+    one position late (acceptance 0.30-0.37) or early (0.63-0.69)."""
     runner = make_engine(model=str(target)).runner
     held_out = prompts(16, seed=99)
     torch.manual_seed(0)
@@ -96,12 +101,19 @@ def test_a_few_hundred_steps_raise_acceptance_well_above_an_untrained_head(
     save_head(untrained, tmp_path / "untrained")
     before = acceptance(make_engine, target, tmp_path / "untrained", held_out)
     head = init_head(runner, identity=False)
-    cfg = TrainConfig(steps=300, lr=3e-3, batch_tokens=256, noise=0.05, checkpoint_every=100)
-    metrics = train(head, runner, samples, cfg, tmp_path / "ckpt.pt")
+    cfg = TrainConfig(steps=60, lr=1e-2, batch_tokens=128, noise=0.05, checkpoint_every=100)
+    losses: list[float] = []
+
+    def record(step: int, m: dict[str, float]) -> None:
+        losses.append(m["vloss"] + cfg.ce_weight * m["ploss"])
+
+    metrics = train(head, runner, samples, cfg, tmp_path / "ckpt.pt", on_step=record)
     save_head(head, tmp_path / "trained")
     after = acceptance(make_engine, target, tmp_path / "trained", held_out)
+    assert len(losses) == cfg.steps
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
     assert metrics["acc"] > 0.5
-    assert after > max(0.4, 2 * before), (before, after)
+    assert after > max(0.75, 2 * before), (before, after)
 
 
 def test_training_resumes_from_its_checkpoint(
