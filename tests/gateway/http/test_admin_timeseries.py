@@ -90,6 +90,7 @@ def get(gw: LiveGateway, path: str, **params: Any) -> httpx.Response:
     return httpx.get(f"{gw.url}{path}", params=params, headers=ADMIN, timeout=30)
 
 
+@pytest.mark.slow
 def test_traffic_series(live: tuple[LiveGateway, float]) -> None:
     gw, busy = live
     r = get(gw, "/admin/timeseries/traffic", window=3600, step=STEP)

@@ -61,6 +61,7 @@ def _hammer(handle: SharedLimits, n: int, out: multiprocessing.Queue[int]) -> No
     out.put(sum(api.take("addr:203.0.113.7", now=500.0) == 0.0 for _ in range(n)))
 
 
+@pytest.mark.slow
 def test_worker_processes_share_one_limit(limits: SharedLimits) -> None:
     """Two spawned processes (the handle travels in their spawn arguments, as the supervisor sends
     it) and this one spend from one bucket: together they get one burst (10 at 60 rpm), not 3."""
@@ -119,6 +120,7 @@ def _hold(handle: SharedLimits, index: int, n: int, out: multiprocessing.Queue[i
     out.put(sum(counts.acquire("tenant", 5) for _ in range(n)))
 
 
+@pytest.mark.slow
 def test_in_flight_counts_are_one_cap_across_workers(limits: SharedLimits) -> None:
     """Two spawned workers take slots of one tenant's cap of 5: never more than 5 in all."""
     ctx = multiprocessing.get_context("spawn")

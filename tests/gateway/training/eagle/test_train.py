@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,6 +86,19 @@ def test_features_are_the_targets_hidden_states(
     assert logits.argmax(-1).tolist() == s.token_ids[s.prompt_len :]
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """The head's ops are tiny: a second intra-op thread only adds synchronization, which made 60
+    steps take 20-30 s instead of 1.5 s on a busy two-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_a_short_training_run_converges_and_raises_acceptance_above_an_untrained_head(
     samples: list[Sample], make_engine: Callable[..., Engine], target: Path, tmp_path: Path
 ) -> None:
@@ -116,6 +129,7 @@ def test_a_short_training_run_converges_and_raises_acceptance_above_an_untrained
     assert after > max(0.75, 2 * before), (before, after)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_training_resumes_from_its_checkpoint(
     samples: list[Sample], make_engine: Callable[..., Engine], target: Path, tmp_path: Path
 ) -> None:
@@ -206,6 +220,7 @@ def test_training_time_test_passes_are_draft_steps() -> None:
     ]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_training_time_test_losses_are_finite(target: Path, make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(model=str(target), num_blocks=1024, pack_linears=False)
     samples = distill(engine, prompts(4, seed=3), 12)
