@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OFF = "off"
+from specgate.engine.vocab import SPEC_OFF
+
+OFF = SPEC_OFF  # the method of a plain arm: the engine's "off"
+
 # An external backend (or replica group) that does not speculate, or whose speculation is unknown;
 # one that does is `upstream-<method>` ("upstream-on" where the method is not known). The server
 # decides its own drafts: the arm says only what kind of pool it is.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,7 +96,11 @@ class Decision:
             "arm": self.arm.key,
             "backend": self.arm.backend,
             "method": self.arm.method,
-            "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+            # Flat, as the dashboard's explain view reads them (an external arm: K 0).
+            "k_min": self.spec.k_min if self.spec is not None else 0,
+            "k_max": self.spec.k_max if self.spec is not None else 0,
+            "controller": self.spec.controller if self.spec is not None else "goodput",
+            "acceptance_prior": self.spec.acceptance_prior if self.spec is not None else None,
             "explored": self.explored,
             "reason": self.reason,
             "predictions": self.predictions,

@@ -16,13 +16,14 @@ from typing import Any, NoReturn, TypeVar
 T = TypeVar("T")
 
 
+def _refuse(self: object, *args: Any, **kwargs: Any) -> NoReturn:
+    raise TypeError(f"{type(self).__name__} is read-only")
+
+
 class FrozenDict(dict[Any, Any]):
     """A dict that raises TypeError on any change."""
 
     __slots__ = ()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(f"{type(self).__name__} is read-only")
 
     __setitem__ = _refuse
     __delitem__ = _refuse
@@ -48,9 +49,6 @@ class FrozenList(list[Any]):
     """A list that raises TypeError on any change."""
 
     __slots__ = ()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(f"{type(self).__name__} is read-only")
 
     __setitem__ = _refuse
     __delitem__ = _refuse

@@ -35,9 +35,7 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark("serve", "serve", "replay workloads through a live gateway (or beside llama.cpp, --peer)"),
-    Benchmark(
-        "engine", "engine", "the engine's decode speed beside llama.cpp, HF generate and the served path"
-    ),
+    Benchmark("engine", "engine", "the engine's decode speed beside llama.cpp and the served path"),
     Benchmark("spec", "spec", "speculation arms per class: chains, trees, fixed K, EAGLE, a draft model"),
     Benchmark("steps", "steps", "what a forward pass costs by its new tokens, and the machine's int8 roof"),
     Benchmark("regime", "regime", "where speculation stops paying by batch, measured and as the policy says"),

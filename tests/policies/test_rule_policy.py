@@ -43,6 +43,9 @@ def decide(c: DecisionContext, rules: RuleConfig | None = None) -> str:
 def test_speculates_where_the_evidence_says_it_pays(label: str) -> None:
     d = RulePolicy(RuleConfig(), seed=0).decide(ctx(label), explore=False)
     assert d.arm.speculative and (d.spec.k_min, d.spec.k_max) == (0, 8)
+    # The dashboard's explain view reads the K bounds and the controller flat off the decision.
+    shown = d.as_dict()
+    assert (shown["k_min"], shown["k_max"], shown["controller"]) == (0, 8, "goodput")
 
 
 @pytest.mark.parametrize("label", ["math_reasoning", "qa", "translation"])
