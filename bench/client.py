@@ -103,24 +103,17 @@ async def send(
     """One streamed request; `extra` and the request's own `extra` add body fields."""
     res = RequestResult(request_id, req.category, arm, sent_at=time.perf_counter())
     body = {**(arm_body(arm, cache_salt) or {}), **(extra or {}), **req.extra}
-    kwargs: dict[str, Any] = {"tools": req.tools} if req.tools else {}
-    kwargs |= {"seed": seed} if seed is not None else {}
+    params: dict[str, Any] = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens}
+    params |= {"temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    params |= {"extra_body": body or None} | ({"tools": req.tools} if req.tools else {})
+    params |= {"seed": seed} if seed is not None else {}
     # Only specgate's telemetry needs the id; llama-cpp-python's server refuses (400) any
     # x-request-id that is not a UUID.
-    kwargs["extra_headers"] = {} if arm == PEER else {"x-request-id": request_id}
+    params["extra_headers"] = {} if arm == PEER else {"x-request-id": request_id}
     create: Any = client.chat.completions.create  # the typed overloads do not take dict messages
     usage, parts = False, []
     try:
-        stream = await create(
-            model=model,
-            messages=req.messages,
-            max_tokens=req.max_tokens,
-            temperature=temperature,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=body or None,
-            **kwargs,
-        )
+        stream = await create(**params)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices:
@@ -131,10 +124,8 @@ async def send(
                 res.finish = chunk.choices[0].finish_reason or res.finish
             if chunk.usage is not None:
                 usage = True
-                res.output_tokens, res.prompt_tokens = (
-                    chunk.usage.completion_tokens,
-                    chunk.usage.prompt_tokens,
-                )
+                res.output_tokens = chunk.usage.completion_tokens
+                res.prompt_tokens = chunk.usage.prompt_tokens
                 details = getattr(chunk.usage, "prompt_tokens_details", None)
                 res.cached_tokens = getattr(details, "cached_tokens", None) or 0
             if isinstance(metrics := (chunk.model_extra or {}).get("metrics"), dict):
@@ -152,11 +143,13 @@ async def send(
     return res
 
 
+Make = Callable[[int], Awaitable[RequestResult]]  # sends request i
+OnDone = Callable[[], None]  # called as each request ends (a progress bar's update)
+ByArm = dict[str, list[RequestResult]]  # results by arm, in the same request order for every arm
+
+
 async def closed_loop(
-    make: Callable[[int], Awaitable[RequestResult]],
-    n: int,
-    concurrency: int,
-    on_done: Callable[[], None] = lambda: None,
+    make: Make, n: int, concurrency: int, on_done: OnDone = lambda: None
 ) -> list[RequestResult]:
     """`concurrency` workers, each sending the next request once its last one finished; results in order."""
     results: list[RequestResult | None] = [None] * n
@@ -172,10 +165,7 @@ async def closed_loop(
 
 
 async def open_loop(
-    make: Callable[[int], Awaitable[RequestResult]],
-    offsets: Sequence[float],
-    max_concurrency: int | None,
-    on_done: Callable[[], None] = lambda: None,
+    make: Make, offsets: Sequence[float], max_concurrency: int | None, on_done: OnDone = lambda: None
 ) -> list[RequestResult]:
     """Requests leave at their scheduled offsets whatever the server's state (optionally capped)."""
     gate = asyncio.Semaphore(max_concurrency or len(offsets) or 1)
@@ -195,8 +185,7 @@ async def warm_up(client: openai.AsyncOpenAI, model: str, arm: str, extra: dict[
     """One untimed request per server before the clock starts, so that first-call costs (thread
     pools, lazy allocations) do not land on the first measured request. Its id does not start with
     a run id: telemetry cross-checks do not count it."""
-    res = await send(
-        client, model, BenchRequest("warm-up", user("Name three colours."), 16), arm, "warm-up", 0.0, extra
-    )
+    req = BenchRequest("warm-up", user("Name three colours."), 16)
+    res = await send(client, model, req, arm, "warm-up", 0.0, extra)
     if not res.ok:
         raise RuntimeError(f"the warm-up request failed: {res.error}")

@@ -1,12 +1,12 @@
-"""`specgate bench engine`: how fast the engine decodes a model, beside llama.cpp and
-`specgate serve`, at batch 1 and alone at --concurrency.
-(bench/README.md, "What each benchmark does", has the method.)
+"""`specgate bench engine`: how fast the engine decodes a model, beside llama.cpp and `specgate serve`,
+at batch 1 and alone at --concurrency. (bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import tempfile
 import time
@@ -50,15 +50,13 @@ def run(args: argparse.Namespace) -> int:
         for k, prompt in enumerate(ids * args.reps):
             for name in names[k % len(names) :] + names[: k % len(names)]:
                 got[name].append(systems[name](prompt, n))
-    rates = {name: sum(t for t, _, _ in rs) / sum(s for _, s, _ in rs) for name, rs in got.items()}
+    tokens = {name: sum(t for t, _, _ in rs) for name, rs in got.items()}
+    rates = {name: tokens[name] / sum(s for _, s, _ in rs) for name, rs in got.items()}
     tpot = {name: percentile([x for *_, x in rs if x is not None], 50) for name, rs in got.items()}
     print(f"{engine.model_name}, {engine.config.dtype}, {threads} threads, {n} greedy tokens an answer")
     print(f"batch 1: {len(ids)} prompts x {args.reps} rounds, systems in rotating order")
     vs = {name: number(over(rates[name], rates.get("llama.cpp")), 2) for name in names}
-    rows = [
-        [name, sum(t for t, _, _ in got[name]), number(rates[name]), number(tpot[name], 2), vs[name]]
-        for name in names
-    ]
+    rows = [[name, tokens[name], number(rates[name]), number(tpot[name], 2), vs[name]] for name in names]
     print("\n".join(table(["system", "tokens", "tok/s", "TPOT p50 ms", "vs llama.cpp"], rows)))
     if "llama.cpp" in tpot and "engine" in tpot:
         print(f"TPOT llama.cpp / engine: {number(over(tpot['llama.cpp'], tpot['engine']), 2)}")
@@ -92,11 +90,8 @@ def _engine(engine: Any, ids: list[int], n: int) -> tuple[int, float, float | No
 
 def _llama(llm: Any) -> System:
     def answer(ids: list[int], n: int) -> tuple[int, float, float | None]:
-        start, stamps = time.perf_counter(), []
-        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):  # never stops by itself
-            stamps.append(time.perf_counter())
-            if len(stamps) >= n:
-                break
+        start, tokens = time.perf_counter(), llm.generate(ids, temp=0.0, top_k=1, reset=True)
+        stamps = [time.perf_counter() for _ in itertools.islice(tokens, n)]  # it never stops by itself
         return len(stamps), stamps[-1] - start, (stamps[-1] - stamps[0]) * 1e3 / max(1, len(stamps) - 1)
 
     return answer
@@ -106,9 +101,8 @@ def _llama(llm: Any) -> System:
 def served(args: argparse.Namespace, out: Path) -> Iterator[System]:
     """`specgate serve` on the same model (engine core process, the same compiled sizes)."""
     options = {"model": models.resolve(args.model), "threads": args.threads, "compile": args.compile}
-    env = {"SPECGATE_DATA_DIR": str(out / "gateway-data")}
     with (
-        launch.specgate(out / "specgate.log", options, env=env) as server,
+        launch.specgate(out / "specgate.log", options, data=out / "gateway-data") as server,
         httpx.Client(base_url=server.url, timeout=600) as client,
     ):
         model = client.get("/v1/models").json()["data"][0]["id"]

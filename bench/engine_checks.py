@@ -120,10 +120,8 @@ def prefix_cache(args: argparse.Namespace) -> int:
         prompt = render_chat(tok, [system, *workload.user(q)])
         record("shared system prompt", dict.fromkeys(engines, prompt), i > 0)
     det = "on" if args.deterministic else "off"
-    print(
-        f"{args.dtype}, deterministic {det}, first answers up to {args.answer_tokens} tokens, "
-        f"measured answers {args.max_tokens}\n"
-    )
+    lengths = f"first answers up to {args.answer_tokens} tokens, measured answers {args.max_tokens}"
+    print(f"{args.dtype}, deterministic {det}, {lengths}\n")
     out = []
     for scenario, sames in same.items():
         off, on = (statistics.median(ttft[(scenario, c)]) * 1e3 for c in ("off", "on"))

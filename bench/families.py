@@ -25,6 +25,7 @@ FILES_DIR = launch.LLAMA_BIN.parents[2] / "bench-families"
 QUANT = "Q4_K_M"
 # Token types as gguf writes them (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+Typed = Sequence[tuple[str, int]]  # tokens, each with its type
 # The start-up lines that say how specgate serves the model (engine/models/build.py).
 PATH_LINE = re.compile(
     r"(served on the native GGUF kernels.*|served by the Hugging Face modules.*"
@@ -160,11 +161,7 @@ def llama3_vocab(src: SourceVocab, size: int) -> Vocab:
 
 
 def spm_vocab(
-    src: SourceVocab,
-    size: int,
-    head: Sequence[tuple[str, int]],
-    tail: Sequence[tuple[str, int]] = (),
-    pad_to: int | None = None,
+    src: SourceVocab, size: int, head: Typed, tail: Typed = (), pad_to: int | None = None
 ) -> tuple[list[str], list[int], list[float]]:
     """A SentencePiece-style vocabulary of `size` tokens: `head` (specials), 256 byte-fallback tokens,
     the source's pieces in merge order (then pairs of pieces while more are needed) and `tail` (added
@@ -286,10 +283,9 @@ def write_f16(f: Family, vocab: Vocab, path: Path, seed: int = 0, std: float = 0
     w.add_type("model")
     w.add_name(f.model_name)
     keys: dict[str, Any] = {"context_length": f.context, "embedding_length": f.hidden}
-    keys["block_count"] = f.layers
-    keys |= {"feed_forward_length": f.ff, "attention.head_count": f.heads}
-    keys["attention.head_count_kv"] = f.kv_heads
-    keys |= {"attention.layer_norm_rms_epsilon": f.eps, "rope.freq_base": f.rope_theta}
+    keys |= {"block_count": f.layers, "feed_forward_length": f.ff, "attention.head_count": f.heads}
+    keys |= {"attention.head_count_kv": f.kv_heads, "attention.layer_norm_rms_epsilon": f.eps}
+    keys["rope.freq_base"] = f.rope_theta
     if f.write_head_dim:
         keys |= {"attention.key_length": f.head_dim, "attention.value_length": f.head_dim}
     for key, value in {**keys, **f.extra}.items():  # the family's keys, without the arch prefix
@@ -336,8 +332,7 @@ def make(args: argparse.Namespace) -> int:
 
     out = Path(args.dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    quantize = Path(args.llama_bin).expanduser() / "llama-quantize"
-    if not quantize.is_file():
+    if not (quantize := Path(args.llama_bin).expanduser() / "llama-quantize").is_file():
         raise FileNotFoundError(f"{quantize}: build llama.cpp's tools first\n{launch.RECIPE}")
     src = SourceVocab.load()
     for name in _families(args.families):
@@ -384,8 +379,7 @@ def serve_families(args: argparse.Namespace) -> int:
     serve.add_arguments(parser)
     rows = []
     for name in _families(args.families):
-        path = gguf_path(directory, name)
-        if not path.is_file():
+        if not (path := gguf_path(directory, name)).is_file():
             raise FileNotFoundError(f"{path}: run `specgate bench families make` first")
         run = parser.parse_args(["--model", str(path), "--arms", "plain", "--peer", "llama-server"])
         run.peer_spec, run.ignore_eos, run.threads, run.max_tokens = "", True, args.threads, args.max_tokens
@@ -411,9 +405,7 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         ratio = pairs[0]["all"] if pairs else {}
         many: dict[str, Any] = next((p for n, p in sorted(points.items()) if n > 1), {})
         tpot = {arm: s.get("tpot_p50_ms") for arm, s in one.get("arms", {}).items()}
-        rates = {
-            arm: ", ".join(number(x) for x in s.get("tok_s", [])) for arm, s in many.get("arms", {}).items()
-        }
+        rates = {arm: ", ".join(map(number, s.get("tok_s", []))) for arm, s in many.get("arms", {}).items()}
         path = "; ".join(r["path"]) or "?"
         path = (
             "native" if "served on the native" in path else "HF modules" if "Hugging Face" in path else path

@@ -1,6 +1,5 @@
 """`specgate bench gateway`: what the gateway adds over calling the same backend directly, beside
-LiteLLM, one run, the targets interleaved.
-(bench/README.md, "What each benchmark does", has the method.)
+LiteLLM, one run, the targets interleaved. (bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations
@@ -107,15 +106,11 @@ async def block(calls: list[Call], n: int) -> tuple[list[Sample], float, list[st
     """n requests, one worker per call (its own keep-alive connection) sending back to back. Returns
     the samples, the rate (successes / wall time with one worker, else the steady rate: the first and
     the last len(calls) completions, ramp-up and drain, left out) and the failures."""
-    out: list[Sample] = []
-    done: list[float] = []
-    failed: list[str] = []
-    left = n
+    out, done, failed = list[Sample](), list[float](), list[str]()
+    todo = iter(range(n))  # shared by the workers
 
     async def worker(call: Call) -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
+        for _ in todo:
             try:
                 out.append(await call())
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
@@ -362,14 +357,13 @@ def run(args: argparse.Namespace) -> int:
         results = asyncio.run(measure_all(args, up))
         errors = {name: server.log_errors() for name, server in up.items()}
     tel, also = "off" if args.no_telemetry else "on (SQLite)", " and through LiteLLM" if litellm else ""
-    print(f"\nStub backend direct, through specgate (telemetry {tel}; 1 and 2 workers){also};")
-    print("client: httpx.AsyncClient, keep-alive, one client per concurrent worker")
-    print(
-        f"rounds per mode: {args.rounds} sequential, {args.concurrent_rounds} concurrent, targets interleaved"
-    )
-    print(
+    rounds = f"{args.rounds} sequential, {args.concurrent_rounds} concurrent"
+    peer = (
         f"LiteLLM {launch.litellm_version(litellm)}, one worker" if litellm else f"no LiteLLM row: {skipped}"
     )
+    print(f"\nStub backend direct, through specgate (telemetry {tel}; 1 and 2 workers){also};")
+    print("client: httpx.AsyncClient, keep-alive, one client per concurrent worker")
+    print(f"rounds per mode: {rounds}, targets interleaved\n{peer}")
     latency_table(results)
     cpu_table(results)
     print("\nGoals")

@@ -1,8 +1,7 @@
 """Two tools that drive the gateway's app in this process, each its own command:
 `specgate bench request-path`: which of the project's files one chat request passes through, in the
 order it first enters them; `specgate bench screenshots`: the operator dashboard's pages as
-docs/dashboard-*.png.
-(bench/README.md, "What each benchmark does", has the methods.)
+docs/dashboard-*.png. (bench/README.md, "What each benchmark does", has the methods.)
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ def request_path(args: argparse.Namespace) -> int:
     prefixes = tuple(str(ROOT / f) + "/" for f in FOLDERS)
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and active.is_set():
-            name = frame.f_code.co_filename
-            if name.startswith(prefixes) and name not in order:
-                order[name] = None
+        if event == "call" and active.is_set() and frame.f_code.co_filename.startswith(prefixes):
+            order.setdefault(frame.f_code.co_filename)
 
     threading.setprofile(hook)  # every thread started from now on: the server's, the engine's
     with tempfile.TemporaryDirectory() as tmp:

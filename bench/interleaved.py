@@ -27,7 +27,7 @@ import openai
 from pydantic import TypeAdapter
 
 from specgate.bench import launch, models, stats
-from specgate.bench.client import PEER, PLAIN, RequestResult, closed_loop, send, warm_up
+from specgate.bench.client import PEER, PLAIN, ByArm, OnDone, RequestResult, closed_loop, send, warm_up
 from specgate.bench.stats import ms, number, percentile, table, times
 from specgate.bench.workload import BenchRequest
 
@@ -86,12 +86,10 @@ class Sender:
         return res
 
 
-async def one_in_flight(
-    arms: Sequence[Arm], n: int, send_one: Send, on_done: Callable[[], None] = lambda: None
-) -> dict[str, list[RequestResult]]:
+async def one_in_flight(arms: Sequence[Arm], n: int, send_one: Send, on_done: OnDone = lambda: None) -> ByArm:
     """Prompts 0..n-1, each to every arm in turn, the order rotated prompt by prompt. results[arm][k]
     of every arm answer the same prompt k."""
-    results: dict[str, list[RequestResult]] = {a.name: [] for a in arms}
+    results: ByArm = {a.name: [] for a in arms}
     for i in range(n):
         for arm in rotation(arms, i):
             results[arm.name].append(await send_one(arm, i, "c1"))
@@ -113,7 +111,7 @@ class Phase:
 
 
 async def phases(
-    arms: Sequence[Arm], n: int, in_flight: int, send_one: Send, on_done: Callable[[], None] = lambda: None
+    arms: Sequence[Arm], n: int, in_flight: int, send_one: Send, on_done: OnDone = lambda: None
 ) -> list[Phase]:
     """Closed loops of `n` requests at `in_flight`, one arm at a time, in palindrome order."""
     out: list[Phase] = []
@@ -181,9 +179,7 @@ def class_tpot(results: Sequence[RequestResult]) -> dict[str, float | None]:
     return {cat: ms(percentile(ts, 50)) for cat, ts in by.items()}
 
 
-def best_of(
-    results: dict[str, list[RequestResult]], names: Sequence[str]
-) -> tuple[list[RequestResult], dict[str, str]]:
+def best_of(results: ByArm, names: Sequence[str]) -> tuple[list[RequestResult], dict[str, str]]:
     """Per class, which of the arms `names` has the lower median TPOT there; and the reference that
     answers each prompt with its class's best arm (its results stay paired prompt by prompt)."""
     medians = {n: class_tpot(results[n]) for n in names}
@@ -283,14 +279,11 @@ class Peers:
             if args.ignore_eos:
                 body["logit_bias"] = {str(i): -100.0 for i in models.eog_token_ids(gguf)}
             return cls(*common, {PEER: []}, body, peer_reqs, out)
-        settings = {
-            LLAMA: [],
-            **({LLAMA_SPEC: shlex.split(args.peer_spec)} if args.peer_spec.strip() else {}),
-        }
+        spec = {LLAMA_SPEC: shlex.split(args.peer_spec)} if args.peer_spec.strip() else {}
         # llama-server's sampling defaults that differ from OpenAI's turned off, so that --temperature
         # samples the same distribution on every server; no prompt reuse.
         body = {"ignore_eos": args.ignore_eos, "cache_prompt": False, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-        return cls(*common, settings, body, peer_reqs, out)
+        return cls(*common, {LLAMA: [], **spec}, body, peer_reqs, out)
 
     def command(self, flags: Sequence[str], port: int, slots: int) -> list[str]:
         if self.exe is None:
@@ -304,11 +297,10 @@ class Peers:
             arms = []
             for name, flags in self.settings.items():
                 port = launch.free_port()
-                url = f"http://127.0.0.1:{port}"
-                ready = f"{url}/health" if self.exe is not None else f"{url}/v1/models"
+                ready = f"http://127.0.0.1:{port}" + ("/health" if self.exe is not None else "/v1/models")
                 log = self.logs / f"{name}-np{slots}.log"
-                stack.enter_context(launch.running(self.command(flags, port, slots), log, ready))
-                arms.append(Arm(name, url, PEER, self.gguf.stem, self.body, self.reqs))
+                server = stack.enter_context(launch.running(self.command(flags, port, slots), log, ready))
+                arms.append(Arm(name, server.url, PEER, self.gguf.stem, self.body, self.reqs))
             yield arms
 
 
@@ -333,9 +325,9 @@ def run_peers(args: argparse.Namespace, reqs: list[BenchRequest]) -> int:
     config |= {"seed": args.seed if args.temperature else None, "command": launch.command_line()}
     config["bootstrap"] = {"resamples": stats.RESAMPLES, "seed": 0, "level": 0.95}
     report: dict[str, Any] = {"config": config, "points": []}
-    env = {"SPECGATE_DATA_DIR": str((out / "gateway-data").resolve())}
     # -v: the log says how the model is served.
-    gateway = launch.specgate(out / "specgate.gateway.log", launch.serve_options(args), env=env, verbose=True)
+    options, data = launch.serve_options(args), out / "gateway-data"
+    gateway = launch.specgate(out / "specgate.gateway.log", options, data=data, verbose=True)
     with tqdm(total=total, desc="bench serve --peer", unit="req") as bar, gateway as server:
         report["specgate_ready_s"] = server.started_in
         body = {"ignore_eos": True} if args.ignore_eos else {}
@@ -357,7 +349,7 @@ def run_peers(args: argparse.Namespace, reqs: list[BenchRequest]) -> int:
 
 
 async def _measure(
-    arms: list[Arm], point: int, per_phase: int, sender: Sender, llama: list[str], on_done: Callable[[], None]
+    arms: list[Arm], point: int, per_phase: int, sender: Sender, llama: list[str], on_done: OnDone
 ) -> dict[str, Any]:
     if point == 1:
         return paired(await one_in_flight(arms, len(sender.reqs), sender, on_done), llama, sender.reqs)
@@ -372,9 +364,7 @@ def references(names: Sequence[str], llama: Sequence[str]) -> list[tuple[str, li
     return [*out, (BEST, [n for n in names if n not in llama])] if len(llama) > 1 else out
 
 
-def paired(
-    results: dict[str, list[RequestResult]], llama: Sequence[str], reqs: Sequence[BenchRequest]
-) -> dict[str, Any]:
+def paired(results: ByArm, llama: Sequence[str], reqs: Sequence[BenchRequest]) -> dict[str, Any]:
     """1 in flight: each arm's TPOT medians, and the paired ratio of every (arm, reference)."""
     names = list(results)
     best_ref, best = best_of(results, llama) if llama else ([], {})
@@ -383,11 +373,8 @@ def paired(
     for name, rs in results.items():
         short = sum(r.ok and r.output_tokens != reqs[k].max_tokens for k, r in enumerate(rs))
         arms[name] = {**arm_summary(rs), "tpot_p50_ms_by_class": class_tpot(rs), "not_max_tokens": short}
-    pairs = [
-        {"arm": a, "reference": ref, **paired_ratios(results[a], refs[ref])}
-        for ref, compared in references(names, llama)
-        for a in compared
-    ]
+    versus = [(a, ref) for ref, compared in references(names, llama) for a in compared]
+    pairs = [{"arm": a, "reference": ref, **paired_ratios(results[a], refs[ref])} for a, ref in versus]
     rows = [
         row(r, prompt=k, position=rotation(names, k).index(n))
         for n, rs in results.items()
@@ -453,8 +440,7 @@ def _one_in_flight(point: dict[str, Any]) -> list[str]:
         rows = [[c, *(_ratio(p["classes"].get(c)) for p in pairs.values())] for c in classes]
         rows.append(["median of classes", *(_ratio(p[ALL]) for p in pairs.values())])
         lines += ["", *table(["class", *pairs], rows)]
-    short = {n: a["not_max_tokens"] for n, a in arms.items() if a["not_max_tokens"]}
-    if short:
+    if short := {n: a["not_max_tokens"] for n, a in arms.items() if a["not_max_tokens"]}:
         lines += ["", f"Answers not max_tokens long: {short} (their TPOT compares unequal lengths)"]
     return [*lines, *_failed(arms), ""]
 

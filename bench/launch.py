@@ -293,9 +293,12 @@ def specgate_command(
 def specgate(
     log: Path, options: Mapping[str, Any] | None = None, timeout: float = 600.0, **kwargs: Any
 ) -> Iterator[Server]:
-    """`specgate serve` on a free port (`options` as `specgate_command` takes them; its config file,
-    if any, beside `log`), ready for the body of the `with`. `env`, `preexec`, `cwd`: as `running`."""
+    """`specgate serve` on a free port (`options` as `specgate_command` takes them, its config file
+    beside `log`), ready for the body of the `with`; `data`: its SPECGATE_DATA_DIR; `env`, `preexec`,
+    `cwd`: as `running`."""
     run = {k: kwargs.pop(k) for k in ("env", "preexec", "cwd") if k in kwargs}
+    if (data := kwargs.pop("data", None)) is not None:
+        run["env"] = {**run.get("env", {}), "SPECGATE_DATA_DIR": str(Path(data).resolve())}
     port = free_port()
     cmd = specgate_command(port, options, directory=log.parent, **kwargs)
     with running(cmd, log, f"http://127.0.0.1:{port}/readyz", timeout, **run) as server:
@@ -307,7 +310,7 @@ def serve_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name, None) for name in SERVE_OPTIONS}
 
 
-def admin(url: str, key: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
+def admin(url: str, method: str, path: str, body: Any = None, *, key: str) -> dict[str, Any]:
     """An admin API call that must answer 200: its JSON."""
     headers = {"authorization": f"Bearer {key}"}
     r = httpx.request(method, url + path, json=body, headers=headers, timeout=600, trust_env=False)
@@ -337,6 +340,20 @@ def request_ids(url: str, prefix: str = "", want: int = 0, timeout: float = 60.0
             time.sleep(0.2)
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def postgres_database(admin_url: str, name: str) -> Iterator[None]:
+    """A new database `name` on the PostgreSQL server of `admin_url` (a libpq URL), dropped after."""
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=3) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # ---- llama.cpp and LiteLLM ---------------------------------------------------------------------------

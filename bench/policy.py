@@ -1,6 +1,5 @@
 """`specgate bench policy`: the routing policy under production-like traffic; does it beat every static
-choice, with confidence?
-(bench/README.md, "What each benchmark does", has the method.)
+choice, with confidence? (bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations
@@ -8,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import shutil
@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ CONV_CLASSES = ("open_chat", "qa", "translation", "math_reasoning", "summarizati
 COPY_HEAVY = ("code", "summarization", "rag")
 MIN_TOKENS = 16  # the floor of a request's max_tokens: the code trace asks for as few as 6 tokens
 ACCEPTED_GOAL = 3.0
+Runs = dict[str, list[list[RequestResult]]]  # [arm][repetition]: results in schedule order
 PAIRED = (
     "learned_minus_best_static",
     "learned_minus_oracle",
@@ -124,14 +125,12 @@ def _parts(trace: Sequence[workload.TraceRequest]) -> list[list[workload.TraceRe
     return [list(trace[start:end]) for start, end in zip([0, *ends[:2]], ends, strict=True)]
 
 
-def _positions(part: Sequence[workload.TraceRequest]) -> list[float]:
-    """A part's offsets stretched onto [0, 1], its bursts kept (all 0 if it has no span)."""
-    span = part[-1].offset - part[0].offset if part else 0.0
-    return [(t.offset - part[0].offset) / span if span > 0 else 0.0 for t in part]
-
-
 def _tagged(part: Sequence[workload.TraceRequest], rank: int, name: str) -> list[Any]:
-    return [(x, rank, i, name, t) for i, (x, t) in enumerate(zip(_positions(part), part, strict=True))]
+    """A part's requests, each with its offset stretched onto [0, 1] (its bursts kept; all 0 if the
+    part has no span) and the keys of the merge: (position, rank, index, name, request)."""
+    start = part[0].offset if part else 0.0
+    span = part[-1].offset - start if part else 0.0
+    return [((t.offset - start) / span if span > 0 else 0.0, rank, i, name, t) for i, t in enumerate(part)]
 
 
 def timeline(
@@ -190,8 +189,7 @@ def schedule(
         temperature = rng.uniform(0.7, 1.0) if rng.random() < sampled_share else 0.0
         tokens = max(MIN_TOKENS, min(s.generated_tokens, max_tokens))
         req = workload.BenchRequest(src.category, messages, tokens, src.tools)
-        slot = (s.offset, s.period, s.trace, s.context_tokens, s.generated_tokens, s.category)
-        out.append(Scheduled(*slot, req, temperature))
+        out.append(Scheduled(**asdict(s), request=req, temperature=temperature))
     return out
 
 
@@ -265,13 +263,9 @@ def gateway(args: argparse.Namespace, run_dir: Path, data: Path | None, env: dic
     run_dir.mkdir(parents=True, exist_ok=True)
     if data is not None:
         shutil.copytree(data, run_dir / "gateway-data", dirs_exist_ok=True)
-    env = {**env, "SPECGATE_DATA_DIR": str((run_dir / "gateway-data").resolve())}
-    with launch.specgate(run_dir / "specgate.gateway.log", launch.serve_options(args), env=env) as server:
+    log, options = run_dir / "specgate.gateway.log", launch.serve_options(args)
+    with launch.specgate(log, options, env=env, data=run_dir / "gateway-data") as server:
         yield server.url
-
-
-def admin(url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
-    return launch.admin(url, ADMIN_KEY, method, path, body)
 
 
 async def replay(
@@ -309,9 +303,7 @@ def accepted_length(r: RequestResult) -> float | None:
     return float((r.spec.get("num_accepted_tokens") or 0) + steps) / steps if steps else None
 
 
-def analyse(
-    res: dict[str, list[list[RequestResult]]], periods: Sequence[str], static: Sequence[str]
-) -> dict[str, Any]:
+def analyse(res: Runs, periods: Sequence[str], static: Sequence[str]) -> dict[str, Any]:
     """res[arm][rep]: results in schedule order; periods[i]: the period of request i."""
     n = len(periods)
     classes = [r.category for r in next(iter(res.values()))[0]]
@@ -335,7 +327,7 @@ def analyse(
         return {k: v / base if k != "n" else v for k, v in t_interval(diffs, 1.96).items()}
 
     table_ = {arm: {name: arm_ci(arm, m) for name, m in masks.items()} for arm in res}
-    best_static = max(static, key=lambda a: table_[a]["all"]["mean"])
+    best = max(static, key=lambda a: table_[a]["all"]["mean"])
     speculative = [a for a in static if a != "plain"]
     light = "light" in masks and speculative
     best_spec_light = max(speculative, key=lambda a: table_[a]["light"]["mean"]) if light else None
@@ -346,21 +338,17 @@ def analyse(
         oracle_pick[(c, p)] = max(static, key=lambda a: mean_of(g[a], mask))
     oracle = [[g[oracle_pick[(classes[i], periods[i])]][k][i] for i in range(n)] for k in range(reps)]
     learned, every = g["learned"], masks["all"]
-    out: dict[str, Any] = {
-        "table": table_,
-        "best_static": best_static,
-        "best_speculative_light": best_spec_light,
-    }
+    out: dict[str, Any] = {"table": table_, "best_static": best, "best_speculative_light": best_spec_light}
     out["oracle_pick"] = {f"{c}@{p}": a for (c, p), a in sorted(oracle_pick.items())}
     out["oracle"] = {name: mean_of(oracle, m) for name, m in masks.items()}
-    out["learned_minus_best_static"] = paired(learned, g[best_static], every)
+    out["learned_minus_best_static"] = paired(learned, g[best], every)
     out["learned_minus_oracle"] = paired(learned, oracle, every)
     overload = "overload" in masks
     out["overload_learned_minus_plain"] = paired(learned, g["plain"], masks["overload"]) if overload else None
     out["light_learned_minus_best_speculative"] = (
         paired(learned, g[best_spec_light], masks["light"]) if best_spec_light else None
     )
-    out["rules_minus_best_static"] = paired(g["rules"], g[best_static], every) if "rules" in g else None
+    out["rules_minus_best_static"] = paired(g["rules"], g[best], every) if "rules" in g else None
     greedy = g.get("learned_greedy")
     out["learned_minus_learned_greedy"] = paired(learned, greedy, every) if greedy else None
     out["accepted_length"] = accepted_lengths(res)
@@ -368,7 +356,7 @@ def analyse(
     return out
 
 
-def accepted_lengths(res: dict[str, list[list[RequestResult]]]) -> dict[str, dict[str, dict[str, Any]]]:
+def accepted_lengths(res: Runs) -> dict[str, dict[str, dict[str, Any]]]:
     """[arm][class]: the median accepted length over the requests that speculated (all periods and
     repetitions), how many did, and out of how many."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -415,19 +403,14 @@ def goals(rep: dict[str, Any]) -> list[tuple[str, bool]]:
 def markdown(rep: dict[str, Any], arms: Sequence[str]) -> str:
     names = [m for m in ("all", *PERIODS) if m in rep["oracle"]]
 
-    def ci(x: dict[str, float]) -> str:
-        return f"{x['mean']:.2f} [{x['low']:.2f}, {x['high']:.2f}]"
+    def ci(x: dict[str, float], f: str = ".2f") -> str:
+        return f"{x['mean']:{f}} [{x['low']:{f}}, {x['high']:{f}}]"
 
     rows = [[arm, *(ci(rep["table"][arm][p]) for p in names)] for arm in arms]
     lines = table(["arm", *names], [*rows, ["per-class oracle", *(f"{rep['oracle'][p]:.2f}" for p in names)]])
     lines += ["", "goodput per request, tok/s (mean over repetitions, [95% interval]); paired differences:"]
     for key, d in ((key, rep[key]) for key in PAIRED):
-        over = (
-            f"{d['mean']:+.1%} [{d['low']:+.1%}, {d['high']:+.1%}] over {d['n']} request pairs"
-            if d
-            else "n/a"
-        )
-        lines.append(f"- {key}: {over}")
+        lines.append(f"- {key}: " + (f"{ci(d, '+.1%')} over {d['n']} request pairs" if d else "n/a"))
     lines.append(
         f"- best static arm: {rep['best_static']}; best speculative in light: {rep['best_speculative_light']}"
     )
@@ -446,6 +429,7 @@ def markdown(rep: dict[str, Any], arms: Sequence[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     settle(args)
+    admin = functools.partial(launch.admin, key=ADMIN_KEY)
     args.model = models.resolve(args.model)  # a bench/models.py name becomes its GGUF path (fetched once)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -474,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     launch.log(f"training: done at {(time.perf_counter() - t0) / 60:.1f} min")
     # Evaluation: a fresh process per arm and repetition, arms rotated between repetitions.
     arms = [*static, *POLICY_ARMS]
-    res: dict[str, list[list[RequestResult]]] = {a: [] for a in arms}
+    res: Runs = {a: [] for a in arms}
     eval_env = {**env, "SPECGATE_TELEMETRY__SPEC_STEPS_SAMPLE_RATE": "0.05"}
     for rep in range(args.reps):
         for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import shutil
@@ -22,8 +23,8 @@ from typing import Any
 import httpx
 
 from specgate.bench import launch, stub, workload
-from specgate.bench.client import POLICY, RequestResult, closed_loop, send
-from specgate.bench.stats import bootstrap_interval, mean, percentile, table
+from specgate.bench.client import POLICY, ByArm, RequestResult, closed_loop, send
+from specgate.bench.stats import bootstrap_interval, distribution, percentile, table, times
 from specgate.bench.stub import PoolConfig
 
 MODEL = "pool-model"
@@ -41,6 +42,8 @@ PREAMBLE = (
     "more, and say so when the reference does not cover the question. "
 ) * 2
 Job = tuple[str, str, list[dict[str, str]]]  # request id, group (its class or family), messages
+ByLevel = dict[str, ByArm]  # [level][arm]: the same requests for every arm
+Rows = list[tuple[float, ...]]  # per request, a value for each arm (paired rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,10 +118,6 @@ def gateway(name: str, config: dict[str, Any], tmp: Path) -> contextlib.Abstract
     return launch.specgate(tmp / f"{name}.log", config={"admin_key": ADMIN_KEY, **config}, timeout=180)
 
 
-def admin(url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
-    return launch.admin(url, ADMIN_KEY, method, path, body)
-
-
 def backend(name: str, url: str, **extra: Any) -> dict[str, Any]:
     # Scraped and probed every second: the load the policy reads is at most a second old.
     return {"name": name, "base_url": f"{url}/v1", "models": [MODEL], "health_interval": 1.0, **extra}
@@ -149,9 +148,7 @@ def ttft(r: RequestResult) -> float:
     return r.ttft if r.ttft is not None else r.e2e or 0.0
 
 
-def ratio_interval(
-    pairs: list[tuple[float, ...]], stat: Callable[[list[tuple[float, ...]]], float], seed: int
-) -> list[float]:
+def ratio_interval(pairs: Rows, stat: Callable[[Rows], float], seed: int) -> list[float]:
     """95% bootstrap interval of `stat` over resamples of the paired rows."""
     low, high = bootstrap_interval([pairs], lambda g: stat(g[0]), seed=seed) or (0.0, 0.0)
     return [round(low, 3), round(high, 3)]
@@ -212,6 +209,7 @@ def run_pools(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 def explore_and_retrain(args: argparse.Namespace, url: str, prompts: dict[str, list[str]]) -> dict[str, Any]:
     """Training traffic explored at every batch, the gateway's retrain (forced if it declines), then
     exploration back to normal: whether a learned policy with both pools modelled is active."""
+    admin = functools.partial(launch.admin, url, key=ADMIN_KEY)
     levels = [int(x) for x in args.train_levels.split(",")]
     counts = [int(x) for x in args.train_per_level.split(",")]
     counts = counts * len(levels) if len(counts) == 1 else counts
@@ -219,7 +217,7 @@ def explore_and_retrain(args: argparse.Namespace, url: str, prompts: dict[str, l
     explore = {"across_backends": True, "exploration_rate": 0.5, "exploration_cap": 1.0}
     bounds = {"min_train_rows": max(10, total // 2), "min_arm_rows": max(5, min(20, total // 8))}
     training = {**explore, **bounds, "max_batch_for_spec": 0, "note": "bench: training"}
-    admin(url, "PUT", "/admin/policy", training)
+    admin("PUT", "/admin/policy", training)
     routed: Counter[str] = Counter()
     for level, n in zip(levels, counts, strict=True):
         jobs = round_robin(prompts, n, level, f"train{level}")
@@ -227,36 +225,35 @@ def explore_and_retrain(args: argparse.Namespace, url: str, prompts: dict[str, l
         routed.update(str(r.route.get("arm", "?")) for r in results)
     launch.log(f"pools: {total} training requests at {levels} in flight: {dict(routed)}")
     time.sleep(2.0)  # the telemetry writer flushes every 0.2 s; leave it a few rounds
-    retrain = admin(url, "POST", "/admin/policy/retrain", {})
+    retrain = admin("POST", "/admin/policy/retrain", {})
     declined = None if retrain.get("promoted") else retrain.get("reason")
     if declined is not None:
-        retrain = admin(url, "POST", "/admin/policy/retrain", {"force": True})
+        retrain = admin("POST", "/admin/policy/retrain", {"force": True})
     normal = {"exploration_rate": 0.05, "exploration_cap": 0.1, "max_batch_for_spec": 16}
-    admin(url, "PUT", "/admin/policy", {**normal, "note": "bench: exploration back"})
-    policy = admin(url, "GET", "/admin/policy")
+    admin("PUT", "/admin/policy", {**normal, "note": "bench: exploration back"})
+    policy = admin("GET", "/admin/policy")
     modelled = policy.get("modelled_arms") or []
     ok = policy.get("kind") == "learned" and SPEC_ARM in modelled and PLAIN_ARM in modelled
     launch.log(f"pools: retrain {'promoted' if declined is None else f'declined ({declined}), forced'}")
     if not ok:
         launch.log("pools: WARNING: no learned policy with both arms modelled is active; evaluating anyway")
+    kept = ("version", "promoted", "reason", "train_rows", "off_policy")
     out = {"requests": total, "levels": levels, "routed": dict(routed), "declined": declined}
-    out["retrain"] = {
-        k: retrain.get(k) for k in ("version", "promoted", "reason", "train_rows", "off_policy")
-    }
-    out |= {"active_kind": policy.get("kind"), "modelled_arms": modelled}
+    out |= {"retrain": {k: retrain.get(k) for k in kept}, "active_kind": policy.get("kind")}
+    out["modelled_arms"] = modelled
     return {**out, "pool_crossovers": policy.get("pool_crossovers"), "learned_with_both_arms": ok}
 
 
 def evaluate(
     args: argparse.Namespace, url: str, arms: list[str], prompts: dict[str, list[str]]
-) -> tuple[dict[str, dict[str, list[RequestResult]]], dict[str, float]]:
+) -> tuple[ByLevel, dict[str, float]]:
     """results[level][arm]: the level's requests in the same order for every arm; and per request
     its batch's wall time over the batch's requests (for throughput)."""
     levels = {
         "light": (args.light, args.light_batch, args.light_batches),
         "heavy": (args.heavy, 2 * args.heavy, args.heavy_batches),
     }
-    out: dict[str, dict[str, list[RequestResult]]] = {}
+    out: ByLevel = {}
     busy: dict[str, float] = {}
     k = 0
     for level, (concurrency, size, batches) in levels.items():
@@ -275,9 +272,7 @@ def evaluate(
     return out, busy
 
 
-def _group_stats(
-    rows: dict[str, list[RequestResult]], idx: list[int], busy: dict[str, float], seed: int
-) -> dict[str, Any]:
+def _group_stats(rows: ByArm, idx: list[int], busy: dict[str, float], seed: int) -> dict[str, Any]:
     arms = list(rows)
     g = {a: [rows[a][i].goodput for i in idx] for a in arms}
     means = {a: sum(g[a]) / len(idx) for a in arms}
@@ -286,7 +281,7 @@ def _group_stats(
     pairs = list(zip(*(g[a] for a in arms), strict=True))
     col = {a: k for k, a in enumerate(arms)}
 
-    def avg(sample: list[tuple[float, ...]], arm: str) -> float:
+    def avg(sample: Rows, arm: str) -> float:
         return sum(p[col[arm]] for p in sample) / len(sample)
 
     def throughput(a: str) -> float:
@@ -304,17 +299,13 @@ def _group_stats(
         pairs, lambda s: avg(s, "learned") / max(avg(s, "spec"), avg(s, "plain")), seed
     )
     split = sum(str(rows["split"][i].route.get("backend")).startswith("spec") for i in idx)
-    out |= {
-        "split_to_spec": round(split / len(idx), 3),
-        "vs_split": round(means["learned"] / means["split"], 3),
-    }
+    out["split_to_spec"] = round(split / len(idx), 3)
+    out["vs_split"] = round(means["learned"] / means["split"], 3)
     out["vs_split_ci95"] = ratio_interval(pairs, lambda s: avg(s, "learned") / avg(s, "split"), seed + 1)
     return out
 
 
-def past_crossover(
-    results: dict[str, dict[str, list[RequestResult]]], crossovers: dict[str, float], constant: int = 16
-) -> dict[str, Any]:
+def past_crossover(results: ByLevel, crossovers: dict[str, float], constant: int = 16) -> dict[str, Any]:
     """The learned arm's requests at each level split by whether the speculative pool's own batch
     (metrics.route.pool_batches) had passed the class's measured crossover (else the rules'
     constant) when the policy decided: how many went to `spec` on each side."""
@@ -323,8 +314,7 @@ def past_crossover(
         counts = {True: [0, 0], False: [0, 0]}  # past: [requests, to spec]
         for r in rows["learned"]:
             batches = r.route.get("pool_batches") or {}
-            key = next((k for k in batches if k.startswith("spec:")), None)
-            if key is not None:
+            if (key := next((k for k in batches if k.startswith("spec:")), None)) is not None:
                 past = batches[key] >= crossovers.get(f"{r.route.get('workload_class')}:{key}", constant)
                 counts[past][0] += 1
                 counts[past][1] += r.route.get("backend") == "spec"
@@ -335,17 +325,13 @@ def past_crossover(
 
 
 def analyse_pools(
-    results: dict[str, dict[str, list[RequestResult]]],
-    busy: dict[str, float],
-    seed: int,
-    crossovers: dict[str, float],
+    results: ByLevel, busy: dict[str, float], seed: int, crossovers: dict[str, float]
 ) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for level, by_arm in results.items():
         for grp in ("copy-heavy", "others", "all"):
             heavy = [(r.category in COPY_HEAVY) == (grp == "copy-heavy") for r in by_arm["learned"]]
-            idx = [i for i, yes in enumerate(heavy) if grp == "all" or yes]
-            if idx:
+            if idx := [i for i, yes in enumerate(heavy) if grp == "all" or yes]:
                 rows[f"{level}/{grp}"] = _group_stats(by_arm, idx, busy, seed)
     # Both levels together: every request once, each arm's mean goodput over all of them.
     merged = {a: [r for level in results.values() for r in level[a]] for a in next(iter(results.values()))}
@@ -354,15 +340,14 @@ def analyse_pools(
     crossing = past_crossover(results, crossovers)
     heavy = crossing.get("heavy", {})
     to_spec = bool(light and light["learned_to_spec"] >= 0.75)
+    to_plain = bool(heavy.get("past") and (heavy.get("past_to_plain") or 0.0) >= 0.75)
     beats = overall["ratio"] >= 1.10 and overall["ci95"][0] > 1.0
     goals = {
         "light load: learned sends >= 75% of copy-heavy requests to spec": to_spec,
         # With two pools the plain one cannot take all the heavy traffic without becoming the
         # bottleneck: the policy turns to it as the speculative pool's own batch passes the class's
         # crossover, which is what "plain under heavy load" asks of a per-request choice.
-        "heavy load: past the spec pool's crossover, learned sends >= 75% to plain": bool(
-            heavy.get("past") and (heavy.get("past_to_plain") or 0.0) >= 0.75
-        ),
+        "heavy load: past the spec pool's crossover, learned sends >= 75% to plain": to_plain,
         "learned >= 1.10x the better single pool, interval above 1": beats,
     }
     return {"table": rows, "goals": goals, "crossing": crossing}
@@ -417,7 +402,7 @@ def run_prefix(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     configs = [PoolConfig(name=f"{mode}-r{i}", **replica) for mode in MODES for i in range(3)]
     systems, questions = families(args)
     rounds = prefix_rounds(args, len(questions))
-    results: dict[str, list[RequestResult]] = {m: [] for m in MODES}
+    results: ByArm = {m: [] for m in MODES}
     with stubs(configs, tmp) as urls, contextlib.ExitStack() as stack:
         gateways = {}
         for mode in MODES:
@@ -438,10 +423,8 @@ def run_prefix(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 firsts = [(t, r) for t, r in zip(turns, res, strict=True) if t.follow_of is None]
                 answers[mode].update({t.key: r.text for t, r in firsts})
                 results[mode] += res
-        stats = {
-            name: httpx.get(url + "/stats", timeout=10, trust_env=False).json() for name, url in urls.items()
-        }
-    report = analyse_prefix(results, {name: s["requests"] for name, s in stats.items()}, args.seed)
+        stats = [httpx.get(f"{url}/stats", timeout=10, trust_env=False).json() for url in urls.values()]
+    report = analyse_prefix(results, {s["name"]: s["requests"] for s in stats}, args.seed)
     return {**report, "seconds": round(time.perf_counter() - t0, 1), "rounds": len(rounds)}
 
 
@@ -452,34 +435,27 @@ def _job(t: Turn, systems: list[str], questions: list[str], answers: dict[str, s
     return t.key, f"family{t.family}", messages
 
 
-def analyse_prefix(
-    results: dict[str, list[RequestResult]], served: dict[str, int], seed: int
-) -> dict[str, Any]:
+def analyse_prefix(results: ByArm, served: dict[str, int], seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, rows in results.items():
         counts = [sum(r.route.get("backend") == f"{mode}-r{i}" for r in rows) for i in range(3)]
         # Why the gateway chose each replica (prefix mode: "prefix", "load" or "no match").
         why = ((r.route.get("affinity") or {}).get("prefix_reason") for r in rows)
         reasons = Counter(str(w or "session key") for w in why)
-        ttfts = [ttft(r) * 1e3 for r in rows]
+        ttfts = distribution(ttft(r) for r in rows)
         cached = sum(r.cached_tokens for r in rows) / max(1, sum(r.prompt_tokens for r in rows))
         out[mode] = {"requests": len(rows), "cached_share": round(cached, 4)}
-        out[mode]["ttft_p50_ms"] = round(percentile(ttfts, 50) or 0.0, 1)
-        out[mode]["ttft_p90_ms"] = round(percentile(ttfts, 90) or 0.0, 1)
-        # The median sits on the knee of a two-humped distribution (cached: tens of ms, uncached:
-        # hundreds): the mean moves less from run to run.
-        out[mode]["ttft_mean_ms"] = round(mean(ttfts) or 0.0, 1)
+        # The mean too: the median sits on the knee of a two-humped distribution (cached: tens of ms,
+        # uncached: hundreds), and the mean moves less from run to run.
+        out[mode] |= {f"ttft_{k}_ms": round(ttfts[k] or 0.0, 1) for k in ("p50", "p90", "mean")}
         busiest = round(max(counts) / (sum(counts) / 3), 3) if sum(counts) else None
         out[mode] |= {"per_replica": counts, "busiest_over_mean": busiest}
-        out[mode] |= {
-            "stub_requests": [served[f"{mode}-r{i}"] for i in range(3)],
-            "affinity_reasons": dict(reasons),
-        }
+        out[mode]["stub_requests"] = [served[f"{mode}-r{i}"] for i in range(3)]
+        out[mode]["affinity_reasons"] = dict(reasons)
     by_key = {mode: {r.request_id: ttft(r) for r in rows} for mode, rows in results.items()}
     for other in ("session", "off"):
-        pairs: list[tuple[float, ...]] = [
-            (t, by_key[other][k]) for k, t in by_key["prefix"].items() if k in by_key[other]
-        ]
+        theirs = by_key[other]
+        pairs: Rows = [(t, theirs[k]) for k, t in by_key["prefix"].items() if k in theirs]
         out[f"ttft_p50_{other}_over_prefix"] = round(_median_ratio(pairs), 3)
         out[f"ttft_{other}_ratio_ci95"] = ratio_interval(pairs, _median_ratio, seed)
     cut = 1.0 - out["prefix"]["ttft_p50_ms"] / out["session"]["ttft_p50_ms"]
@@ -492,7 +468,7 @@ def analyse_prefix(
     return out
 
 
-def _median_ratio(pairs: list[tuple[float, ...]]) -> float:
+def _median_ratio(pairs: Rows) -> float:
     """Median of the second column over median of the first."""
     return (percentile([p[1] for p in pairs], 50) or 0.0) / (percentile([p[0] for p in pairs], 50) or 1.0)
 
@@ -512,8 +488,7 @@ def pools_table(rep: dict[str, Any]) -> list[str]:
             " / ".join(f"{row[m][a]:.1f}" for a in arms) for m in ("goodput", "ttft_p50_ms", "throughput")
         ]
         cells.append(f"{row['ratio']:.2f}x {row['best_single']} [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]")
-        (low, high), split = row["vs_split_ci95"], row["vs_split"]
-        rows.append([*cells, f"{split:.2f}x [{low:.2f}, {high:.2f}]"])
+        rows.append([*cells, times(row["vs_split"], *row["vs_split_ci95"])])
     tr = rep["training"]
     how = "promoted" if tr["declined"] is None else f"declined ({tr['declined']}), forced"
     lines = ["Two pools: a learned policy across `spec` and `plain`, each pool alone, both split by hash", ""]
@@ -541,8 +516,7 @@ def prefix_table(rep: dict[str, Any]) -> list[str]:
     lines = ["Shared prefix over 3 replicas: affinity.mode prefix, session, and affinity off", ""]
     lines += [*table([*head, "why this replica"], rows), ""]
     for other in ("session", "off"):
-        lo, hi = rep[f"ttft_{other}_ratio_ci95"]
-        ratio = rep[f"ttft_p50_{other}_over_prefix"]
-        lines.append(f"median TTFT {other} / prefix: {ratio:.2f}x [{lo:.2f}, {hi:.2f}]")
+        ratio = times(rep[f"ttft_p50_{other}_over_prefix"], *rep[f"ttft_{other}_ratio_ci95"])
+        lines.append(f"median TTFT {other} / prefix: {ratio}")
     lines.append(f"prefix cuts session's median TTFT by {rep['ttft_p50_cut']:.0%}")
     return lines + launch.goal_lines(rep["goals"].items())

@@ -62,12 +62,8 @@ def teacher_forced(engine: Any, texts: list[str]) -> tuple[float, list[Any]]:
             ids = [int(t) for t in engine.tokenizer.encode(text)][: engine.max_model_len]
             blocks = list(range(-(-len(ids) // bs)))
             parts = [ids[s : s + chunk] for s in range(0, len(ids), chunk)]
-            logits = torch.cat(
-                [
-                    runner.execute([ForwardItem(p, k * chunk, blocks, len(p))]).float()
-                    for k, p in enumerate(parts)
-                ]
-            )
+            outs = [runner.execute([ForwardItem(p, k * chunk, blocks, len(p))]) for k, p in enumerate(parts)]
+            logits = torch.cat([x.float() for x in outs])
             logits = logits[:-1, : runner.vocab_size]  # each position predicts the next token
             nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
             count += len(ids) - 1
@@ -93,10 +89,8 @@ def llama_cpp_greedy(path: str, prompt_ids: list[list[int]], n: int) -> list[lis
     except ImportError:
         return None
     llm = Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
-    return [
-        [int(t) for t in itertools.islice(llm.generate(ids, temp=0.0, top_k=1, reset=True), n)]
-        for ids in prompt_ids
-    ]
+    answers = (itertools.islice(llm.generate(ids, temp=0.0, top_k=1, reset=True), n) for ids in prompt_ids)
+    return [[int(t) for t in answer] for answer in answers]
 
 
 def run(args: argparse.Namespace) -> int:

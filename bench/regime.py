@@ -1,6 +1,5 @@
 """`specgate bench regime`: where speculation stops paying, measured and as the routing policy computes
-it.
-(bench/README.md, "What each benchmark does", has the method.)
+it. (bench/README.md, "What each benchmark does", has the method.)
 """
 
 from __future__ import annotations

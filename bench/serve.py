@@ -16,12 +16,12 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from specgate.bench import launch, workload
-from specgate.bench.client import PLAIN, POLICY, RequestResult, closed_loop, send, warm_up
+from specgate.bench.client import PLAIN, POLICY, OnDone, RequestResult, closed_loop, send, warm_up
 from specgate.bench.stats import distribution, number, table
 from specgate.bench.workload import BenchRequest
 
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:8]
-    env = {"SPECGATE_DATA_DIR": str((out / "gateway-data").resolve())}
-    gateway = launch.specgate(out / "specgate.gateway.log", launch.serve_options(args), env=env)
+    data = out / "gateway-data"
+    gateway = launch.specgate(out / "specgate.gateway.log", launch.serve_options(args), data=data)
     points = [int(c) for c in args.concurrency.split(",")]
     n = len(reqs) * len(args.arms.split(",")) * len(points)
     with (
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         rep, runs = asyncio.run(_measure(args, url, reqs, points, run_id, bar.update))
         if server is not None:  # the gateway's own rows for this run must number the requests sent
             sent = sum(len(run["results"]) for run in runs)
-            db = f"sqlite:///{out / 'gateway-data' / 'telemetry.db'}"
+            db = f"sqlite:///{data / 'telemetry.db'}"
             rows = len(launch.request_ids(db, f"{run_id}-", sent, timeout=15))
             rep["telemetry"] = {"database": db, "rows": rows, "sent": sent, "agree": rows == sent}
     rep["runs"] = [{k: v for k, v in r.items() if k != "results"} for r in runs]
@@ -93,18 +93,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _measure(
-    args: argparse.Namespace,
-    base_url: str,
-    reqs: Sequence[BenchRequest],
-    points: Sequence[int],
-    run_id: str,
-    on_done: Callable[[], None],
+    args: argparse.Namespace, url: str, reqs: list[BenchRequest], points: list[int], run_id: str, done: OnDone
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every arm at every load point (each with a prefix cache of its own), and the report's config."""
     import openai
 
     key = os.environ.get("OPENAI_API_KEY", "none")
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
     model = args.model_name or (await client.models.list()).data[0].id
     extra = {"ignore_eos": True} if args.ignore_eos else None
     slos = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(",") if kv)}
@@ -118,13 +113,13 @@ async def _measure(
                 return send(client, model, reqs[i], arm, f"{tag}-{i}", args.temperature, extra, tag)
 
             t0 = time.perf_counter()
-            results = await closed_loop(make, len(reqs), point, on_done)
+            results = await closed_loop(make, len(reqs), point, done)
             summary = summarize(results, time.perf_counter() - t0, slos)
             errors = sorted({r.error for r in results if r.error})[:5]
             runs.append({"arm": arm, "point": f"c={point}", "summary": summary, "errors": errors})
             runs[-1]["results"] = results
     await client.close()
-    config = {"model": model, "base_url": base_url, "num_requests": len(reqs), "arms": args.arms.split(",")}
+    config = {"model": model, "base_url": url, "num_requests": len(reqs), "arms": args.arms.split(",")}
     config |= {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     config |= {"temperature": args.temperature, "slos_ms": slos, "command": launch.command_line()}
     return {"config": config}, runs

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from specgate.bench import launch, models, stub
-from specgate.bench.stats import percentile
+from specgate.bench.stats import distribution, percentile
 from specgate.bench.tcp_proxy import TcpProxy, behind_proxy
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -105,12 +105,16 @@ def gateway(
 ) -> Iterator[tuple[launch.Server, str]]:
     """`specgate serve` with `config`, its data in `out`/gateway-data: the server and the model it
     serves (the first that is not the stub's), as API key `key` sees them."""
-    shutil.rmtree(out / "gateway-data", ignore_errors=True)  # a fresh data directory
-    env = {"SPECGATE_DATA_DIR": str(out / "gateway-data")}
-    with launch.specgate(out / "gateway.log", None, timeout, config=config, env=env, **kwargs) as server:
+    shutil.rmtree(data := out / "gateway-data", ignore_errors=True)  # a fresh data directory
+    with launch.specgate(out / "gateway.log", None, timeout, config=config, data=data, **kwargs) as server:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         models = httpx.get(f"{server.url}/v1/models", headers=headers, trust_env=False).json()["data"]
         yield server, next(m["id"] for m in models if m["id"] != STUB_MODEL)
+
+
+def rounds(until: float) -> Iterator[int]:
+    """1, 2, 3, ... while time.monotonic() is before `until`: a client's requests."""
+    return itertools.takewhile(lambda _: time.monotonic() < until, itertools.count(1))
 
 
 def print_report(lines: list[tuple[str, Any]], goals: list[tuple[str, bool]]) -> bool:
@@ -133,37 +137,30 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     soak = Soak(args, out)
-    db_url, drop_db = _database(args.telemetry_url, soak.run_id, out)
-    url = db_url
-    if db_url.startswith("postgresql"):
-        from specgate.gateway.telemetry import schema
+    # Closed in turn on every way out: the gateway, the backend, the database's proxy, the database.
+    with contextlib.ExitStack() as stack:
+        url = db_url = args.telemetry_url or _database(stack, soak.run_id, out)
+        if db_url.startswith("postgresql"):
+            from specgate.gateway.telemetry import schema
 
-        soak.proxy, url = behind_proxy(db_url)
-        schema.upgrade(db_url)
-    try:
-        with contextlib.ExitStack() as stack:
-            soak.start_backend()
-            stack.callback(lambda: launch.stop(soak.backend))
-            server, model = stack.enter_context(gateway(out, soak.config(url), 300))
-            soak.pid = server.proc.pid
-            events = asyncio.run(soak.drive(server.url, model))
-            never = sum(n for name, n in soak.tally.transport.items() if name in NEVER_SENT)
-            sent = soak.tally.sent - never
-            rows = len(launch.request_ids(db_url, f"{soak.run_id}-", sent, timeout=120))
-            blocks = _kv_blocks_idle(server.url)
-    finally:
-        if soak.proxy is not None:
-            soak.proxy.stop()
-        if drop_db is not None:
-            drop_db()
+            soak.proxy, url = behind_proxy(db_url)
+            stack.callback(lambda: soak.proxy.stop() if soak.proxy is not None else None)
+            schema.upgrade(db_url)
+        soak.start_backend()
+        stack.callback(lambda: launch.stop(soak.backend))
+        server, model = stack.enter_context(gateway(out, soak.config(url), 300))
+        soak.pid = server.proc.pid
+        events = asyncio.run(soak.drive(server.url, model))
+        never = sum(n for name, n in soak.tally.transport.items() if name in NEVER_SENT)
+        sent = soak.tally.sent - never
+        rows = len(launch.request_ids(db_url, f"{soak.run_id}-", sent, timeout=120))
+        blocks = _kv_blocks_idle(server.url)
     t, rss = soak.tally, soak.rss
     growth = (rss["end"] - rss["warm"]) / rss["warm"] if rss.get("warm") else None
     report = {"run_id": soak.run_id, "seconds": soak.duration, "concurrency": args.concurrency}
     report |= {"requests": t.sent, "statuses": dict(sorted(t.statuses.items()))}
-    report |= {
-        "responses_500": t.statuses.get(500, 0),
-        "other_5xx": sum(n for s, n in t.statuses.items() if s > 500),
-    }
+    other_5xx = sum(n for s, n in t.statuses.items() if s > 500)
+    report |= {"responses_500": t.statuses.get(500, 0), "other_5xx": other_5xx}
     report |= {"stream_errors": dict(t.stream_errors), "client_disconnects": t.disconnects}
     report |= {"transport_errors": dict(t.transport), "telemetry_rows": rows}
     report["transport_failures"] = [{"id": i, "error": e} for i, e in t.failed_ids[:50]]
@@ -239,10 +236,8 @@ class Soak:
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120, trust_env=False) as http:
 
             async def worker(w: int) -> None:
-                for k in itertools.count():
-                    if time.monotonic() > start + d:
-                        return
-                    await self.one(http, model, f"{self.run_id}-{w}-{k + 1}")
+                for k in rounds(start + d):
+                    await self.one(http, model, f"{self.run_id}-{w}-{k}")
 
             async def failures() -> None:
                 while (now := time.monotonic() - start) < d:
@@ -271,11 +266,9 @@ class Soak:
     async def one(self, http: httpx.AsyncClient, model: str, rid: str) -> None:
         """One request: hostile, to the stub backend, cut mid-stream or plain, as the dice fall."""
         args, rng, tally = self.args, self.rng, self.tally
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-        }
-        body |= {"max_tokens": args.max_tokens, "stream": True, "temperature": rng.choice([0, 0, 0.7, 1.0])}
+        prompt = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        body: dict[str, Any] = {"model": model, "messages": prompt, "max_tokens": args.max_tokens}
+        body |= {"stream": True, "temperature": rng.choice([0, 0, 0.7, 1.0])}
         roll, disconnect_after = rng.random(), None
         if roll < args.hostile_share:
             hostile = rng.choice(HOSTILE)
@@ -308,24 +301,14 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
-def _database(url: str | None, run_id: str, out: Path) -> tuple[str, Any]:
-    """The telemetry database: `url`, else a fresh PostgreSQL one (and its drop), else SQLite."""
-    if url:
-        return url, None
+def _database(stack: contextlib.ExitStack, run_id: str, out: Path) -> str:
+    """The telemetry database: a fresh PostgreSQL one (dropped as `stack` closes), else SQLite."""
+    name = f"specgate_soak_{run_id}"
     try:
-        import psycopg
-
-        name = f"specgate_soak_{run_id}"
-        with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-        def drop() -> None:
-            with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}", drop
+        stack.enter_context(launch.postgres_database(PG_ADMIN, name))
     except Exception:
-        return f"sqlite:///{Path(tempfile.mkdtemp(dir=out)) / 'telemetry.db'}", None
+        return f"sqlite:///{Path(tempfile.mkdtemp(dir=out)) / 'telemetry.db'}"
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 
 
 def _kv_blocks_idle(base: str, timeout: float = 30) -> int:
@@ -393,29 +376,24 @@ class Attacker:
         transport = httpx.AsyncHTTPTransport(local_address=HOG_ADDRESS, limits=limits)
         body = {**chat_body(self.model, HOG_PROMPT, self.args["hog_tokens"]), "stream": True}
         base = f"http://127.0.0.1:{self.port}"
-        async with httpx.AsyncClient(
-            base_url=base, transport=transport, timeout=600, trust_env=False
-        ) as client:
+        client = httpx.AsyncClient(base_url=base, transport=transport, timeout=600, trust_env=False)
 
-            async def slot(i: int) -> None:
-                n = 0
-                while time.monotonic() < self.until:
-                    n += 1
-                    rid, wait = f"hog-{i}-{n}", 1.0
-                    headers = {"authorization": f"Bearer {HOG}", "x-request-id": rid}
-                    try:
-                        async with client.stream(
-                            "POST", "/v1/chat/completions", json=body, headers=headers
-                        ) as r:
-                            self.tally.answer(rid, r.status_code)
-                            async for _ in r.aiter_bytes():
-                                if time.monotonic() > self.until:
-                                    break
-                            wait = float(r.headers.get("retry-after", 0) or 0)
-                    except httpx.HTTPError as exc:
-                        self.tally.error(rid, exc)
-                    await asyncio.sleep(wait)
+        async def slot(i: int) -> None:
+            for n in rounds(self.until):
+                rid, wait = f"hog-{i}-{n}", 1.0
+                headers = {"authorization": f"Bearer {HOG}", "x-request-id": rid}
+                try:
+                    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                        self.tally.answer(rid, r.status_code)
+                        async for _ in r.aiter_bytes():
+                            if time.monotonic() > self.until:
+                                break
+                        wait = float(r.headers.get("retry-after", 0) or 0)
+                except httpx.HTTPError as exc:
+                    self.tally.error(rid, exc)
+                await asyncio.sleep(wait)
 
+        async with client:
             await asyncio.gather(*(slot(i) for i in range(slots)))
 
     async def slowloris(self) -> None:
@@ -442,9 +420,8 @@ class Attacker:
     async def raw(self, path: str, body: bytes, rid: str, trickle: float = 0.0) -> None:
         """One request on a fresh connection; its body at once, or a byte every `trickle` s till answered."""
         try:
-            reader, writer = await asyncio.open_connection(
-                "127.0.0.1", self.port, local_addr=(HOG_ADDRESS, 0)
-            )
+            address = (HOG_ADDRESS, 0)
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=address)
         except OSError as exc:
             self.tally.error(rid, exc)
             return
@@ -477,9 +454,7 @@ class Attacker:
 
     async def trickle(self) -> None:
         """Bodies that trickle in, a byte every 3 s."""
-        n = 0
-        while time.monotonic() < self.until:
-            n += 1
+        for n in rounds(self.until):
             await self.raw("/v1/chat/completions", b" " * 100_000, f"trickle-{n}", trickle=3.0)
 
     async def big_bodies(self) -> None:
@@ -494,9 +469,7 @@ class Attacker:
         ids = b'{"model": "' + self.model.encode() + b'", "echo": true, "prompt": ['
         ids += b",".join([b"1"] * 2_000_000)
         ids = ids[: 4 * 2**20 - 16].rsplit(b",", 1)[0] + b"]}"
-        n = 0
-        while time.monotonic() < self.until:
-            n += 1
+        for n in rounds(self.until):
             await self.raw("/v1/chat/completions", chat, f"big-chat-{n}")
             await self.raw("/v1/completions", ids, f"big-ids-{n}")
             await asyncio.sleep(0.5)
@@ -535,13 +508,11 @@ class Victim:
             self.tpot.append((times[-1] - times[0]) / (len(times) - 1))
 
     def summary(self) -> dict[str, Any]:
-        def ms(xs: list[float], p: int) -> float | None:
-            v = percentile(xs, p)
-            return None if v is None else round(v * 1e3, 1)
-
         out = {"requests": len(self.ttft) + sum(self.failed.values()), "failed": dict(self.failed)}
-        out |= {"ttft_ms_p50": ms(self.ttft, 50), "ttft_ms_p99": ms(self.ttft, 99)}
-        return {**out, "tpot_ms_p50": ms(self.tpot, 50), "tpot_ms_p99": ms(self.tpot, 99)}
+        for what, times in (("ttft", self.ttft), ("tpot", self.tpot)):
+            ms = distribution(times)
+            out |= {f"{what}_ms_{p}": None if (v := ms[p]) is None else round(v, 1) for p in ("p50", "p99")}
+        return out
 
 
 async def probe(base: str, until: float, waits: list[float]) -> int:
@@ -583,9 +554,7 @@ async def hostile_run(
 
     async def victim_loop() -> None:
         await asyncio.sleep(min(20.0, seconds / 4))
-        n = 0
-        while time.monotonic() < until:
-            n += 1
+        for n in rounds(until):
             await victim.stream(base, body, f"victim-hostile-{n}", tally)
 
     async def sampler() -> None:
@@ -606,8 +575,7 @@ def exhaustion(args: argparse.Namespace) -> int:
         embedded["model"] = model
     hog = {"key": HOG, "max_in_flight": args.hog_factor * args.max_num_seqs}
     config: dict[str, Any] = {"api_keys": [{**hog, "max_streams": hog["max_in_flight"]}, VICTIM]}
-    config["admin_key"] = ADMIN
-    config |= {"log_requests": False, "embedded": embedded}
+    config |= {"admin_key": ADMIN, "log_requests": False, "embedded": embedded}
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 
     def limited() -> None:
@@ -645,12 +613,8 @@ def exhaustion(args: argparse.Namespace) -> int:
     report |= {"attacks": options["attacks"], "statuses": dict(sorted(tally.statuses.items()))}
     report["attacker_transport_errors"] = attacks["transport"]
     report["slowloris_connections_cut"] = attacks.get("slowloris_cut", 0)
-    report |= {
-        "answered": len(tally.answered),
-        "rows_lost": len(lost),
-        "lost_ids": lost[:20],
-        "series": series,
-    }
+    report |= {"answered": len(tally.answered), "rows_lost": len(lost), "lost_ids": lost[:20]}
+    report["series"] = series
     (out / "exhaustion.json").write_text(json.dumps(report, indent=2))
     return 0 if report_goals(report) else 1
 

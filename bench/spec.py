@@ -15,6 +15,8 @@ from specgate.engine.config import DEFAULT_COMPILE_SIZES
 from specgate.engine.vocab import SpecParams
 
 K_MAX = {"ngram": 10, "suffix": 10, "eagle": 6, "draft_model": 6}
+# A batch's SpecStats counters that a Tally adds up: its drafts, accepted and nodes.
+COUNTERS = ("num_drafts", "num_accepted_tokens", "num_draft_tokens")
 EAGLE_GOAL_CLASSES = ("open_chat", "qa", "math_reasoning")
 
 
@@ -57,14 +59,13 @@ class Tally:
         return self
 
 
+Tallies = dict[tuple[int, str, str], Tally]  # by (concurrency, class, arm)
+
+
 def arms(methods: list[str], tree_nodes: int, fixed: int) -> dict[str, SpecParams | None]:
     out: dict[str, SpecParams | None] = {"plain": None}
-    static: dict[str, Any] = {
-        "controller": "static",
-        "num_speculative_tokens": fixed,
-        "k_min": fixed,
-        "k_max": fixed,
-    }
+    static: dict[str, Any] = {"controller": "static", "num_speculative_tokens": fixed}
+    static |= {"k_min": fixed, "k_max": fixed}
     for m in methods:
         out[f"{m} chain"] = SpecParams(m, controller="goodput", k_max=K_MAX[m], max_tree_nodes=0)
         if tree_nodes:
@@ -79,11 +80,8 @@ def arms(methods: list[str], tree_nodes: int, fixed: int) -> dict[str, SpecParam
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.per_class, args.max_tokens, args.reps = 1, 48, 1
-    sizes = (
-        DEFAULT_COMPILE_SIZES
-        if args.compile == "default"
-        else tuple(int(s) for s in args.compile.split(",") if s)
-    )
+    named = DEFAULT_COMPILE_SIZES if args.compile == "default" else args.compile.split(",")
+    sizes = tuple(int(s) for s in named if s)
     methods = [m for m in args.methods.split(",") if m]
     options: dict[str, dict[str, object]] = {"eagle": {"head": args.head}} if args.head else {}
     if "draft_model" in methods and not args.draft:
@@ -110,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs.values():  # first calls pay one-off costs; every proposer is built here
         engine_run.run(engine, [warm], 8, spec, cache_scope="warm-up")
     levels = [int(c) for c in args.concurrency.split(",")]
-    tally: dict[tuple[int, str, str], Tally] = defaultdict(Tally)
+    tally: Tallies = defaultdict(Tally)
     same: dict[str, list[bool]] = defaultdict(list)
     turn = 0
     for rep in range(args.reps):
@@ -120,17 +118,11 @@ def run(args: argparse.Namespace) -> int:
                 for batch in [[p] for p in ps] if c == 1 else [[ps[i % len(ps)] for i in range(c)]]:
                     tokens = {}
                     for arm in names[turn % len(names) :] + names[: turn % len(names)]:
-                        b = engine_run.run(
-                            engine, batch, args.max_tokens, specs[arm], cache_scope=f"{arm}/{rep}"
-                        )
+                        scope = f"{arm}/{rep}"
+                        b = engine_run.run(engine, batch, args.max_tokens, specs[arm], cache_scope=scope)
                         timed = b.after_first_tokens() if args.after_prefill else (b.tokens, b.seconds)
-                        drafts, accepted = (
-                            sum(s.num_drafts for s in b.spec),
-                            sum(s.num_accepted_tokens for s in b.spec),
-                        )
-                        tally[c, cat, arm].add(
-                            Tally(*timed, drafts, accepted, sum(s.num_draft_tokens for s in b.spec))
-                        )
+                        counts = [sum(getattr(s, k) for s in b.spec) for k in COUNTERS]
+                        tally[c, cat, arm].add(Tally(*timed, *counts))
                         tokens[arm] = [a.tokens for a in b.answers]
                     turn += 1
                     for arm in names[1:] if c == 1 else []:
@@ -140,9 +132,8 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(map(len, by_class.values()))} prompts in {len(classes)} classes, {args.max_tokens} max new "
         f"tokens, greedy, {engine.config.dtype}, compiled {list(sizes) or 'no'} steps, {args.reps} reps"
     )
-    pairs = [
-        (a, a.replace("chain", "tree")) for a in names if "chain" in a and a.replace("chain", "tree") in specs
-    ]
+    trees = {a: a.replace("chain", "tree") for a in names if "chain" in a}
+    pairs = [(chain, tree) for chain, tree in trees.items() if tree in specs]
     for c in levels:
         report(c, classes, names, pairs, tally)
     print("outputs equal to plain (batch 1): " + ", ".join(f"{a} {sum(v)}/{len(v)}" for a, v in same.items()))
@@ -151,11 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(
-    c: int,
-    classes: list[str],
-    names: list[str],
-    pairs: list[tuple[str, str]],
-    tally: dict[tuple[int, str, str], Tally],
+    c: int, classes: list[str], names: list[str], pairs: list[tuple[str, str]], tally: Tallies
 ) -> None:
     print(f"\nconcurrency {c}: tokens/s [mean accepted length]; a tree: (tree / chain) {{nodes a step}}")
     rows = []
@@ -173,12 +160,7 @@ def report(
     print("\n".join(table(["class", *names], rows)))
 
 
-def goals(
-    levels: list[int],
-    classes: list[str],
-    pairs: list[tuple[str, str]],
-    tally: dict[tuple[int, str, str], Tally],
-) -> None:
+def goals(levels: list[int], classes: list[str], pairs: list[tuple[str, str]], tally: Tallies) -> None:
     """[E5]'s goals on these figures: met or missed, with the numbers behind each."""
     print("\ngoals")
     met = {True: "met", False: "missed"}

@@ -50,10 +50,7 @@ def over(a: Any, b: Any) -> float | None:
 def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str, float | None]:
     """mean / p50 / p90 / p99, in ms by default."""
     xs = [v * scale for v in values if v is not None]
-    out: dict[str, float | None] = {"mean": mean(xs)}
-    for p in PERCENTILES:
-        out[f"p{p}"] = percentile(xs, p)
-    return out
+    return {"mean": mean(xs), **{f"p{p}": percentile(xs, p) for p in PERCENTILES}}
 
 
 def bootstrap_interval(

@@ -44,14 +44,10 @@ def macs_per_token(path: str) -> int:
     from gguf import GGUFReader
 
     tensors = {t.name: [int(n) for n in t.shape] for t in GGUFReader(path).tensors}
-    total = 0
-    for name, shape in tensors.items():
-        if len(shape) != 2 or not name.endswith(".weight"):
-            continue
-        if name == "token_embd.weight" and "output.weight" in tensors:
-            continue  # a lookup table, not a product
-        total += shape[0] * shape[1]
-    return total
+    # The token embeddings are a lookup table, not a product, unless the LM head is tied to them.
+    lookup = "token_embd.weight" if "output.weight" in tensors else ""
+    weights = [s for name, s in tensors.items() if name.endswith(".weight") and name != lookup]
+    return sum(s[0] * s[1] for s in weights if len(s) == 2)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -151,8 +151,7 @@ def enforceable(schema: dict[str, Any], dropped: Counter[str]) -> dict[str, Any]
     """`schema` with the keywords and formats llguidance refuses dropped (counted in `dropped`), or
     None when it still refuses it for another reason. (A property named like a keyword stays.)"""
     for _ in range(16):
-        problem = check(Grammar.json_schema(schema))
-        if problem is None:
+        if (problem := check(Grammar.json_schema(schema))) is None:
             return schema
         unimplemented = re.search(r"Unimplemented keys: (\[[^\]]*\])", problem)
         unknown_format = re.search(r"Unknown format: (\S+)", problem)
@@ -188,16 +187,11 @@ def bfcl_cases(source: str, n: int, counts: Counter[str], dropped: Counter[str])
     out: list[Case] = []
     skipped = 0
     for row in [rows[i * len(rows) // n] for i in range(n)]:  # spread evenly, the first included
-        functions = [
-            {
-                "name": fn["name"],
-                "description": fn.get("description", ""),
-                "parameters": convert_bfcl(fn.get("parameters") or {"type": "object"}, counts),
-            }
-            for fn in row["function"]
-        ]
-        schema = enforceable(call_schema(functions), dropped)
-        if schema is None:
+        functions = []
+        for fn in row["function"]:
+            functions.append({"name": fn["name"], "description": fn.get("description", "")})
+            functions[-1]["parameters"] = convert_bfcl(fn.get("parameters") or {"type": "object"}, counts)
+        if (schema := enforceable(call_schema(functions), dropped)) is None:
             skipped += 1
             continue
         catalogue = "\n".join(json.dumps(fn) for fn in functions)
@@ -227,8 +221,7 @@ def workload(n: int, sources: Sequence[str] = SOURCES) -> Workload:
     own = (min(6, n // 3) if bfcl else min(6, n)) if OWN in sources else 0
     w = Workload([])
     for own_case in json.loads((DATA / "structured_schemas.json").read_text())[:own]:
-        checked = enforceable(own_case["schema"], w.dropped)
-        if checked is None:
+        if (checked := enforceable(own_case["schema"], w.dropped)) is None:
             raise ValueError(f"llguidance refuses the schema of {own_case['id']}")
         system = "Answer with one JSON object that matches this JSON Schema, and nothing else:\n"
         system += json.dumps(checked)
@@ -333,17 +326,15 @@ def servers(names: set[str], args: argparse.Namespace, model: str | None) -> Ite
     with contextlib.ExitStack() as stack:
         for name, slug in ((SPECGATE, "specgate"), (SPECGATE_NOFORCE, "specgate-noforce")):
             if name in names:
-                env = {"SPECGATE_DATA_DIR": str(args.out / f"{slug}-data")}
-                env |= {"SPECGATE_EMBEDDED__DRAFT_CACHE_SCOPE": "off"}
+                env = {"SPECGATE_EMBEDDED__DRAFT_CACHE_SCOPE": "off"}
                 env["SPECGATE_EMBEDDED__FORCED_DRAFTS"] = "true" if name == SPECGATE else "false"
-                gateway = launch.specgate(args.out / f"{slug}.log", {"model": model}, 900, env=env)
+                data = args.out / f"{slug}-data"
+                gateway = launch.specgate(args.out / f"{slug}.log", {"model": model}, 900, env=env, data=data)
                 started[name] = stack.enter_context(gateway).url
         if LLAMA_SERVER in names:
             exe, port = launch.llama_server_binary(args.llama_server), launch.free_port()
-            threads = args.threads or os.cpu_count() or 1
-            cmd = launch.llama_server_command(
-                exe, models.gguf_path(model), port, threads, 1, launch.ctx_size(1)
-            )
+            gguf, threads = models.gguf_path(model), args.threads or os.cpu_count() or 1
+            cmd = launch.llama_server_command(exe, gguf, port, threads, 1, launch.ctx_size(1))
             log = args.out / "llama-server.log"
             server = stack.enter_context(launch.running(cmd, log, f"http://127.0.0.1:{port}/health", 900))
             started[LLAMA_SERVER] = server.url
@@ -361,8 +352,7 @@ def warm_up(started: Mapping[str, str], cases: Sequence[Case]) -> None:
             model = client.get("/v1/models").json()["data"][0]["id"]
             for k, case in enumerate(cases):
                 body = {"model": model, "messages": case.messages, "max_tokens": 1 if k else 24}
-                body["temperature"] = 0.0
-                body["response_format"] = request(ARMS["json"], case, 1).extra["response_format"]
+                body |= {"temperature": 0.0, **request(ARMS["json"], case, 1).extra}  # the json arm's schema
                 r = client.post("/v1/chat/completions", json=body)
                 if r.status_code != 200:
                     raise RuntimeError(f"{name} refused the schema of {case.case_id}: {r.text[:300]}")
@@ -373,12 +363,7 @@ def warm_up(started: Mapping[str, str], cases: Sequence[Case]) -> None:
 
 
 async def measure(
-    started: Mapping[str, str],
-    arms: Sequence[Arm],
-    cases: Sequence[Case],
-    max_tokens: int,
-    reps: int,
-    chunk: int,
+    started: Mapping[str, str], arms: list[Arm], cases: list[Case], max_tokens: int, reps: int, chunk: int
 ) -> list[Result]:
     """Every case through every arm in turn (interleaved.py); llama-server's prompt reuse off."""
     ways = []
@@ -467,29 +452,24 @@ def tables(results: Sequence[Result], arms: Sequence[str]) -> str:
     lines[-1] += "median; n pairs), decode and end to end; per source, decode."
     sources = ["own", "BFCL simple", "BFCL multiple"]
 
+    def ratio(a: str, b: str, metric: str, pairs: bool = True) -> str:
+        """a's `metric` over b's, paired by prompt: geometric mean (median; n pairs)."""
+        geo, median, n = paired_ratio(results, a, b, metric)
+        return f"{_f(geo, '{:.2f}')} ({_f(median, '{:.2f}')}" + (f"; n={n})" if pairs else ")")
+
     def per_source(a: str, b: str, metric: str) -> list[str]:
         return [_f(paired_ratio(results, a, b, metric, src)[0], "{:.2f}") for src in SOURCES]
 
     rows = []
     for label, a, b, goal in [r for r in RATIOS if r[1] in arms and r[2] in arms]:
-        decode, decode_med, n = paired_ratio(results, a, b, "decode_tps")
-        e2e, e2e_med, _ = paired_ratio(results, a, b, "e2e_tps")
-        cells = [f"{_f(decode, '{:.2f}')} ({_f(decode_med, '{:.2f}')}; n={n})"]
-        cells.append(f"{_f(e2e, '{:.2f}')} ({_f(e2e_med, '{:.2f}')})")
+        cells = [ratio(a, b, "decode_tps"), ratio(a, b, "e2e_tps", pairs=False)]
         rows.append([label, f">= {goal:.2f}" if goal else "", *cells, *per_source(a, b, "decode_tps")])
     lines += ["", *table(["ratio", "goal", "decode (median)", "end to end (median)", *sources], rows)]
-    rows = []
-    for label, a, b in [r for r in STEP_RATIOS if r[1] in arms and r[2] in arms]:
-        ratio, median, n = paired_ratio(results, a, b, "step_ms")
-        cell = f"{_f(ratio, '{:.2f}')} ({_f(median, '{:.2f}')}; n={n})"
-        rows.append([label, cell, *per_source(a, b, "step_ms")])
+    steps = [(label, a, b) for label, a, b in STEP_RATIOS if a in arms and b in arms]
+    rows = [[label, ratio(a, b, "step_ms"), *per_source(a, b, "step_ms")] for label, a, b in steps]
     if rows:
-        lines += [
-            "",
-            "Time of a decode step, paired by prompt (geometric mean of per-request ratios, median):",
-        ]
-        lines.append("")
-        lines += table(["ratio", "all (median)", *sources], rows)
+        title = "Time of a decode step, paired by prompt (geometric mean of per-request ratios, median):"
+        lines += ["", title, "", *table(["ratio", "all (median)", *sources], rows)]
     return "\n".join(lines)
 
 
@@ -511,8 +491,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = models.resolve(args.model)
     args.out = Path(args.out)
-    arms = [ARMS[name] for name in args.arms.split(",")]
-    arms = [a for a in arms if a.server != LLAMA_SERVER or args.peer]
+    arms = [ARMS[name] for name in args.arms.split(",") if ARMS[name].server != LLAMA_SERVER or args.peer]
     args.out.mkdir(parents=True, exist_ok=True)
     w = workload(args.prompts, args.sources.split(","))
     load_before, t0 = os.getloadavg(), time.monotonic()
@@ -543,8 +522,7 @@ def run(args: argparse.Namespace) -> int:
     text = "\n".join(lines)
     sys.stdout.write(text + f"\n\nreport: {args.out / 'report.md'}\n")
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items() if k != "func"}}
-    report["model"] = model
-    report["summary"] = [arm_summary(results, a) for a in names]
+    report |= {"model": model, "summary": [arm_summary(results, a) for a in names]}
     report["results"] = [
         {**asdict(r), "r": {**asdict(r.r), "ttft": r.r.ttft, "e2e": r.r.e2e}} for r in results
     ]

@@ -1,7 +1,7 @@
 """A stub OpenAI-compatible chat server: each request waits as a batching server would make it wait
 (a scripted cost model), or, `canned`, is answered at once with three words (bench/README.md, "The
-stub server"). `specgate bench stub` runs one (every PoolConfig field is a flag); `ThreadServer`
-runs one in a thread of this process (tests); `command` is a stub process's command line.
+stub server"). `specgate bench stub` runs one (every PoolConfig field is a flag); `command` is a stub
+process's command line.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgate.bench import launch
 from specgate.policies.features import copyability  # the gateway's own feature, read the same way
 
 _JSON = [(b"content-type", b"application/json")]
@@ -167,9 +166,8 @@ class Pool:
     def hashes(self, text: str) -> list[bytes]:
         out, h, size = [], b"", self.block_chars
         for i in range(0, len(text) - size + 1, size):
-            h = hashlib.blake2b(
-                h + text[i : i + size].encode("utf-8", "surrogatepass"), digest_size=16
-            ).digest()
+            block = text[i : i + size].encode("utf-8", "surrogatepass")
+            h = hashlib.blake2b(h + block, digest_size=16).digest()
             out.append(h)
         return out
 
@@ -216,10 +214,8 @@ class Pool:
                 out.cached_tokens = min(blocks, (prompt_tokens - 1) // c.block_tokens) * c.block_tokens
                 self.cache_queries += prompt_tokens
                 self.cache_hits += out.cached_tokens
-                uncached = prompt_tokens - out.cached_tokens
-                await asyncio.sleep(
-                    (c.prefill_base_ms + uncached * c.prefill_ms_per_token) * c.time_scale / 1e3
-                )
+                prefill_ms = c.prefill_base_ms + (prompt_tokens - out.cached_tokens) * c.prefill_ms_per_token
+                await asyncio.sleep(prefill_ms * c.time_scale / 1e3)
                 self.cache(prompt)
             first = due = time.perf_counter()
             out.ttft_ms = (first - t0) * 1e3 - out.queue_ms
@@ -351,8 +347,7 @@ class StubPoolApp:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             await _send(send, 400, _error("max_tokens must be a non-negative integer"))
             return
-        messages = req["messages"]
-        msgs = [m for m in messages if isinstance(m, dict)]
+        msgs = [m for m in req["messages"] if isinstance(m, dict)]
         prompt = render_chat(msgs) + "<|assistant|>\n"
         source = "\n".join(_content(m.get("content")) for m in msgs)
         self._ids += 1
@@ -411,22 +406,6 @@ async def _watch_disconnect(receive: Any, stop: asyncio.Event) -> None:
     stop.set()
 
 
-class ThreadServer:
-    """A stub on uvicorn in a thread of this process (tests): `with ThreadServer(config) as s`."""
-
-    def __init__(self, config: PoolConfig) -> None:
-        self.app = StubPoolApp(config)
-        self.pool = self.app.pool
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> ThreadServer:
-        self.url = self._stack.enter_context(launch.in_process(self.app, "/health", timeout=30))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-
 def command(config: PoolConfig, port: int) -> list[str]:
     """The command line of a stub process on `port` (what `launch.running` starts)."""
     cli = [sys.executable, "-m", "specgate.gateway.cli.main", "bench", "stub", "--port", str(port)]
@@ -451,14 +430,7 @@ def config_of(args: argparse.Namespace) -> PoolConfig:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    try:
-        import uvloop  # noqa: F401
-
-        loop, http = "uvloop", "httptools"
-    except ImportError:
-        loop, http = "asyncio", "h11"
+    # uvicorn's loop and http "auto": uvloop and httptools where they are installed (uvicorn[standard]).
     app = StubPoolApp(config_of(args))
-    uvicorn.run(
-        app, host=args.host, port=args.port, loop=loop, http=http, log_level="warning", lifespan="off"
-    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     return 0

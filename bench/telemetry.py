@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+from specgate.bench import launch
 from specgate.bench.stats import table
 from specgate.engine.vocab import LoadSnapshot, SpecParams
 from specgate.gateway.protocol.route import RouteDecision
@@ -84,18 +85,10 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows.append(["SQLite (WAL)", *insert_rate(f"sqlite:///{tmp}/bench.db", args.rows, args.batch_size)])
     if not args.no_pg:
-        import psycopg
-
         name = f"specgate_bench_{uuid.uuid4().hex[:8]}"
-        admin = args.pg_url.replace("+psycopg", "")
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        try:
+        with launch.postgres_database(args.pg_url.replace("+psycopg", ""), name):
             url = args.pg_url.rsplit("/", 1)[0] + f"/{name}"
             rows.append(["PostgreSQL", *insert_rate(url, args.rows, args.batch_size)])
-        finally:
-            with psycopg.connect(admin, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     cells = [[db, args.rows, args.batch_size, f"{rate:,.0f}", f"{cost:.1f}"] for db, rate, cost in rows]
     head = ["database", "rows", "batch", "rows/s (committed)", "submit cost (us/row)"]
     print("\n".join(table(head, cells)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import itertools
 import json
 import random
 from collections.abc import Sequence
@@ -83,10 +84,7 @@ def _openai_schema(node: Any) -> Any:
 
 
 def shipped(
-    per_category: int,
-    max_tokens: int,
-    categories: Sequence[str] | None = None,
-    max_prompt_tokens: int | None = None,
+    per_category: int, max_tokens: int, categories: Sequence[str] = (), max_prompt_tokens: int | None = None
 ) -> list[BenchRequest]:
     """`per_category` requests of each category (of those within `max_prompt_tokens`, estimated),
     interleaved so that categories alternate (the first of each, then the second of each, ...)."""
@@ -98,11 +96,8 @@ def shipped(
     texts["math_reasoning"] += [f"{r['question']}\n{steps}" for r in jsonl("gsm8k_test_dev.jsonl")]
     pools = []
     for cat in wanted:
-        pool = (
-            _bfcl(max_tokens)
-            if cat == "tool_call"
-            else [BenchRequest(cat, user(t), max_tokens) for t in texts[cat]]
-        )
+        asked = [BenchRequest(cat, user(t), max_tokens) for t in texts.get(cat, [])]  # tool_call: BFCL's
+        pool = _bfcl(max_tokens) if cat == "tool_call" else asked
         fit = [r for r in pool if max_prompt_tokens is None or r.approx_tokens <= max_prompt_tokens]
         pools.append(fit[:per_category])
     return [p[i] for i in range(max(map(len, pools), default=0)) for p in pools if i < len(p)]
@@ -141,12 +136,10 @@ def load_trace(name: str, limit: int | None = None) -> list[TraceRequest]:
     rows: list[TraceRequest] = []
     with (TRACE_DIR / f"AzureLLMInferenceTrace_{name}.csv").open() as f:
         first = None
-        for row in csv.DictReader(f):
+        for row in itertools.islice(csv.DictReader(f), limit):
             # "2023-11-16 18:15:46.6805900": sub-microsecond digits are beyond datetime's reach.
             date, _, frac = row["TIMESTAMP"].partition(".")
             ts = datetime.strptime(date, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
             first = ts if first is None else first
             rows.append(TraceRequest(ts - first, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-            if limit is not None and len(rows) >= limit:
-                break
     return rows

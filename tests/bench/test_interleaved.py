@@ -21,9 +21,10 @@ import pytest
 from specgate.bench import interleaved, serve
 from specgate.bench.client import PEER, PLAIN, POLICY, RequestResult
 from specgate.bench.interleaved import ALL, BEST, LLAMA, LLAMA_SPEC, Arm, Phase, Sender
-from specgate.bench.stub import PoolConfig, ThreadServer
+from specgate.bench.stub import PoolConfig
 from specgate.bench.workload import BenchRequest
 from specgate.gateway.cli.main import main
+from tests.bench.stub_server import ThreadServer
 from tests.bench.test_client import FakeClient, chunk
 from tests.bench.test_launch import executable
 from tests.bench.test_models import write_gguf

@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.bench import launch, stub
-from specgate.bench.stub import Pool, PoolConfig, ThreadServer, copyability
+from specgate.bench.stub import Pool, PoolConfig, copyability
+from tests.bench.stub_server import ThreadServer
 
 # Copyable: a function quoted twice (what code edits and summaries with their source look like).
 CODE = (
