@@ -270,7 +270,8 @@ class Peers:
         exe = launch.llama_server_binary(args.llama_server) if args.peer == "llama-server" else None
         gguf = models.gguf_path(args.model)
         per_slot = max(1024, 2 * max(r.approx_tokens for r in reqs) + args.max_tokens)
-        peer_reqs = [peer_request(r, models.chat_template(gguf)) for r in reqs]
+        template = models.chat_template(gguf)  # reading the file's header takes seconds: once
+        peer_reqs = [peer_request(r, template) for r in reqs]
         common = (exe, gguf, args.threads or os.cpu_count() or 1, per_slot, args.peer_n_ctx)
         if args.peer == "llama-cpp":
             # llama-cpp-python's sampling defaults that differ from OpenAI's, off; the ends of

@@ -306,8 +306,12 @@ def specgate(
 
 
 def serve_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark's options that `specgate serve` takes too (model, dtype, threads, compile)."""
-    return {name: getattr(args, name, None) for name in SERVE_OPTIONS}
+    """The benchmark's options that `specgate serve` takes too (model, dtype, threads, compile); a
+    bench/models.py name becomes its GGUF file (fetched once), which is what `specgate serve` reads."""
+    from specgate.bench import models
+
+    options = {name: getattr(args, name, None) for name in SERVE_OPTIONS}
+    return options | {"model": models.resolve(options["model"])}
 
 
 def admin(url: str, method: str, path: str, body: Any = None, *, key: str) -> dict[str, Any]:

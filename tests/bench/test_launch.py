@@ -94,6 +94,22 @@ def test_the_gateway_command_names_only_the_options_given_and_writes_its_config(
     assert json.loads(config.read_text()) == {"embedded": {"enabled": False}, "port": 8124}
 
 
+def test_a_bench_model_name_reaches_the_gateway_as_its_gguf_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`specgate serve` reads files, not the benchmarks' model names (--model qwen2.5-coder-1.5b)."""
+    import argparse
+
+    from specgate.bench import models
+
+    fetched = tmp_path / "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
+    monkeypatch.setattr(models, "fetch", lambda name, directory=None: fetched)
+    args = argparse.Namespace(model="qwen2.5-coder-1.5b", dtype=None, threads=2, compile=None)
+    assert launch.serve_options(args) == {"model": str(fetched), "dtype": None, "threads": 2, "compile": None}
+    for given in ("/m/x.gguf", None):  # a path, or the default model, as given
+        assert launch.serve_options(argparse.Namespace(model=given, threads=None))["model"] == given
+
+
 def test_litellm_fronts_the_upstream_with_one_worker(tmp_path: Path) -> None:
     cmd = launch.litellm_command("/bin/litellm", 9000, "http://127.0.0.1:8001", "m", tmp_path)
     assert cmd[0] == "/bin/litellm" and cmd[cmd.index("--num_workers") + 1] == "1"
