@@ -433,6 +433,7 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
   constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
   // Q8_0's products are signed here (u - 128): no offset to take off.
   constexpr bool offset = !L.has_min && L.bits != 8;
+  constexpr int64_t stride = L.unit_bytes / blocks;  // bytes read per block, on average
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
   const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
@@ -446,6 +447,9 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
       if constexpr (kmin || TYPE == Q6_K) dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
       if constexpr (kmin) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h)));
       for (int j = 0; j < blocks; j++) {
+        if (h == 0)  // the second half reads the panel from cache
+          for (int64_t f = 0; f < stride; f += 64)
+            _mm_prefetch((const char*)(un + j * stride + f + prefetch_distance(L)), _MM_HINT_T0);
         const int64_t b = n * blocks + j;
         __m256i C[8];
         codes256<TYPE>(un + codes_at(L, j), un + high_at(L, j), h, C);
