@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench import launch, models, workload
+from specgate.bench import launch, workload
 from specgate.bench.client import POLICY, RequestResult, open_loop, send, spec_of
 from specgate.bench.stats import t_interval, table
 
@@ -430,7 +430,6 @@ def markdown(rep: dict[str, Any], arms: Sequence[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     settle(args)
     admin = functools.partial(launch.admin, key=ADMIN_KEY)
-    args.model = models.resolve(args.model)  # a bench/models.py name becomes its GGUF path (fetched once)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
