@@ -199,10 +199,16 @@ static void panel_scalar(const Matrix& m, int64_t p, const Act& a, int64_t r0, i
 
 #if SG_X86
 
-// Bytes of weights fetched ahead of the block being read. A unit's high bits lie at its end, after
-// all its codes: the distance spans two units, or the next unit's high bits arrive late (Q6_K's
-// 8-row products were ~20% slower at a fixed 2 kB).
-static constexpr int64_t prefetch_distance(const Layout& L) { return std::max<int64_t>(2048, 2 * L.unit_bytes); }
+// Called once per block of 32: fetches the bytes a block reads on average, `distance` ahead of block
+// j of unit `un` (a panel streams from memory, and a thread's panels lie one after another). A unit's
+// high bits lie at its end, after all its codes: the distance spans two units, or the next unit's
+// high bits arrive late (Q6_K's 8-row products were ~20% slower at a fixed 2 kB).
+template <int64_t TYPE>
+static inline void prefetch_ahead(const uint8_t* un, int j) {
+  constexpr Layout L = layout_of(TYPE);
+  constexpr int64_t stride = L.unit_bytes / (L.unit / 32), distance = std::max<int64_t>(2048, 2 * L.unit_bytes);
+  for (int64_t f = 0; f < stride; f += 64) _mm_prefetch((const char*)(un + j * stride + f + distance), _MM_HINT_T0);
+}
 
 // ---- AVX-512 VNNI ---------------------------------------------------------------------------------
 
@@ -255,7 +261,6 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
   constexpr Layout L = layout_of(TYPE);
   constexpr int blocks = (int)(L.unit / 32);
   constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
-  constexpr int64_t stride = L.unit_bytes / blocks;  // bytes read per block, on average
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
   __m512 acc[R];
@@ -267,10 +272,7 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
     if constexpr (kmin || TYPE == Q6_K) dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
     if constexpr (kmin) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32)));
     for (int j = 0; j < blocks; j++) {
-      // The panel's bytes stream from memory: fetch ahead (across panel ends too, as a thread's
-      // panels lie one after another).
-      for (int64_t f = 0; f < stride; f += 64)
-        _mm_prefetch((const char*)(un + j * stride + f + prefetch_distance(L)), _MM_HINT_T0);
+      prefetch_ahead<TYPE>(un, j);
       const int64_t b = n * blocks + j;  // block of 32 in the row
       __m512i C[8];
       codes512<TYPE>(un + codes_at(L, j), un + high_at(L, j), C);
@@ -433,7 +435,6 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
   constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
   // Q8_0's products are signed here (u - 128): no offset to take off.
   constexpr bool offset = !L.has_min && L.bits != 8;
-  constexpr int64_t stride = L.unit_bytes / blocks;  // bytes read per block, on average
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
   const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
@@ -447,9 +448,7 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
       if constexpr (kmin || TYPE == Q6_K) dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
       if constexpr (kmin) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h)));
       for (int j = 0; j < blocks; j++) {
-        if (h == 0)  // the second half reads the panel from cache
-          for (int64_t f = 0; f < stride; f += 64)
-            _mm_prefetch((const char*)(un + j * stride + f + prefetch_distance(L)), _MM_HINT_T0);
+        if (h == 0) prefetch_ahead<TYPE>(un, j);  // the second half reads the panel from cache
         const int64_t b = n * blocks + j;
         __m256i C[8];
         codes256<TYPE>(un + codes_at(L, j), un + high_at(L, j), h, C);
