@@ -347,6 +347,112 @@ SG_AVX2 static void axpy_avx2(float* acc, float w, const Pool& p, int64_t off, i
   for (int64_t i = 0; i < d; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8(p.v, off + i, p.bf16), _mm256_loadu_ps(acc + i)));
 }
+
+// e[i] = exp(x[i] - m), and their sum in index order.
+SG_AVX2 static float exp_sum_avx2(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  if (i < n) {
+    alignas(32) float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(t, x + i, (n - i) * sizeof(float));
+    _mm256_store_ps(t, exp256(_mm256_sub_ps(_mm256_load_ps(t), mv)));
+    std::memcpy(x + i, t, (n - i) * sizeof(float));
+  }
+  float s = 0.f;
+  for (int64_t j = 0; j < n; j++) s += x[j];
+  return s;
+}
+
+// Scores of up to 8 keys against one query (float32 keys at offs[0..n) of kbase), the keys in lanes:
+// eight independent chains of fused multiply-adds over the 8-wide chunks of d, reduced together by
+// one transposition (horizontal adds), where dot_avx2 runs one latency-bound chain per key.
+template <int C>
+SG_AVX2 static inline void scores8_avx2(const float* q, const float* kbase, const int64_t* offs, int64_t n, float sc,
+                                        float* out) {
+  __m256 acc[8];
+  for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+  const float* key[8];
+  for (int k = 0; k < 8; k++) key[k] = kbase + offs[k < n ? k : 0];  // a short block repeats its first key
+  for (int c = 0; c < C; c++) {
+    __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[k] + 8 * c), acc[k]);
+  }
+  // Per 128-bit half: after two rounds of pairwise adds, lane k holds key k's (or k + 4's) partial sum.
+  __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+  __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_mul_ps(sum, _mm256_set1_ps(sc)));
+  for (int64_t k = 0; k < std::min<int64_t>(8, n); k++) out[k] = t[k];
+}
+
+// tile [n, 8 C] float32 = the pool rows at offs[0..n) (bfloat16 or float32).
+template <int C>
+SG_AVX2 static inline void widen_avx2(const void* base, const int64_t* offs, int64_t n, bool bf16, float* tile) {
+  for (int64_t r = 0; r < n; r++)
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(tile + r * 8 * C + 8 * c, load8(base, offs[r] + 8 * c, bf16));
+}
+
+// group_avx512's method with 256-bit vectors: the G query heads of one kv head read each tile of keys
+// and values once, widened to float32 once; every head's arithmetic is the same whatever the batch.
+template <int C>
+SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
+                               float* score, float* total, float* tile, float* o) {
+  constexpr int64_t D = 8 * C;
+  int64_t local[TILE];
+  for (int64_t r = 0; r < TILE; r++) local[r] = r * D;
+  for (int64_t j0 = 0; j0 < m; j0 += TILE) {
+    int64_t n = std::min(TILE, m - j0);
+    widen_avx2<C>(p.k, offs + j0, n, p.bf16, tile);
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t b = 0; b < n; b += 8)
+        scores8_avx2<C>(q + g * D, tile, local + b, std::min<int64_t>(8, n - b), sc, score + g * m + j0 + b);
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float* sg = score + g * m;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < m; j++) top = std::max(top, sg[j]);
+    total[g] = exp_sum_avx2(sg, m, top);
+  }
+  // Values: 8 chunks of d (64 floats) at a time stay in registers.
+  constexpr int CH = C < 8 ? C : 8;
+  for (int64_t j0 = 0; j0 < m; j0 += TILE) {
+    int64_t n = std::min(TILE, m - j0);
+    widen_avx2<C>(p.v, offs + j0, n, p.bf16, tile);
+    for (int64_t g = 0; g < G; g++) {
+      const float* w = score + g * m + j0;
+      for (int c0 = 0; c0 < C; c0 += CH) {
+        float* og = o + g * D + 8 * c0;
+        __m256 acc[CH];
+        for (int c = 0; c < CH; c++) acc[c] = _mm256_loadu_ps(og + 8 * c);
+        for (int64_t r = 0; r < n; r++) {
+          __m256 wv = _mm256_set1_ps(w[r]);
+          const float* row = tile + r * D + 8 * c0;
+          for (int c = 0; c < CH; c++) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < CH; c++) _mm256_storeu_ps(og + 8 * c, acc[c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float inv = 1.f / total[g];
+    for (int64_t k = 0; k < D; k++) o[g * D + k] *= inv;
+  }
+}
+
+// group_avx2 for this head_dim; false where d has no specialization.
+SG_AVX2 static bool group_avx2_any(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
+                                   float* score, float* total, float* tile, float* o) {
+  switch (p.d) {
+    case 32: group_avx2<4>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 64: group_avx2<8>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 128: group_avx2<16>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    case 256: group_avx2<32>(q, G, p, offs, m, sc, score, total, tile, o); return true;
+    default: return false;
+  }
+}
 #endif
 
 // One attention call: a group of b sequences with t query rows each (BatchedGroup in
@@ -385,6 +491,8 @@ static void attend_head(const float* qv, const Pool& p, const int64_t* offs, int
 #if SG_X86
   if (v512) {
     total = exp_sum_avx512(score, m, top);
+  } else if (v256) {
+    total = exp_sum_avx2(score, m, top);
   } else
 #endif
   {
@@ -409,8 +517,9 @@ static void attend_head(const float* qv, const Pool& p, const int64_t* offs, int
 // query heads of a GQA group read their keys and values together.
 static void attend_core(const float* qp, int64_t heads, const Pool& p, const AttendCall& c, float sc, float* op) {
   int64_t d = p.d, rows = c.b * c.t, group = heads / p.kv_heads, S = c.S;
-  bool v512 = SG_X86 && isa() >= 2;
+  bool v512 = SG_X86 && isa() >= 2, v256 = SG_X86 && isa() == 1;
   (void)v512;
+  (void)v256;
   at::parallel_for(0, rows * p.kv_heads, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> score(group * S), total(group), tile(TILE * d);
     std::vector<int64_t> offs(S);
@@ -431,6 +540,7 @@ static void attend_core(const float* qp, int64_t heads, const Pool& p, const Att
       if (v512 && (p.bf16 ? group_avx512_any<true>(qv, group, p, offs.data(), m, sc, sp, tp, wp, o)
                           : group_avx512_any<false>(qv, group, p, offs.data(), m, sc, sp, tp, wp, o)))
         continue;
+      if (v256 && group_avx2_any(qv, group, p, offs.data(), m, sc, sp, tp, wp, o)) continue;
 #endif
       for (int64_t g = 0; g < group; g++) attend_head(qv + g * d, p, offs.data(), m, sc, score.data(), o + g * d);
     }

@@ -156,6 +156,13 @@ def test_fused_norm_swiglu_and_residual_are_the_layers_own(levels: list[int]) ->
         swiglu = torch.nn.functional.silu(gate_up[:, :512]) * gate_up[:, 512:]
         expected = ops().qmatmul(swiglu, [w], [12], [64], 512, e)
         assert float((gated - expected).abs().max() / expected.abs().max()) < 1e-5
+        # GeGLU (Gemma's gate, activation 2): GELU's tanh form, with gate values wide enough to reach
+        # the exponential's clamp.
+        wide = torch.cat([gate_up[:, :512] * 40, gate_up[:, 512:]], 1)
+        geglu = ops().qmatmul(wide, [w], [12], [64], 512, e, None, 0.0, 2, None)
+        by_torch = torch.nn.functional.gelu(wide[:, :512], approximate="tanh") * wide[:, 512:]
+        expected = ops().qmatmul(by_torch, [w], [12], [64], 512, e)
+        assert float((geglu - expected).abs().max() / expected.abs().max()) < 1e-5, level
 
 
 def test_bfloat16_in_bfloat16_out() -> None:
