@@ -572,6 +572,9 @@ SG_AVX2 static void panel256q4(const Matrix& m, int64_t p, const Act& a, int64_t
             const int8_t* xr = x + r * a.K;
             __m256i t = _mm256_add_epi16(mul16(lo, xr + 4 * v), mul16(hi, xr + 4 * (v + 4)));
             s[r] = v == 0 ? t : _mm256_add_epi16(s[r], t);
+            // Left alone, GCC issues a block's 64 products first and spills them to the stack:
+            // each row's sum is materialized in program order instead.
+            __asm__("" : "+x"(s[r]));
           }
         }
         __m256 S, B = _mm256_setzero_ps();
