@@ -348,25 +348,9 @@ SG_AVX2 static void axpy_avx2(float* acc, float w, const Pool& p, int64_t off, i
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8(p.v, off + i, p.bf16), _mm256_loadu_ps(acc + i)));
 }
 
-// e[i] = exp(x[i] - m), and their sum in index order.
-SG_AVX2 static float exp_sum_avx2(float* x, int64_t n, float m) {
-  int64_t i = 0;
-  __m256 mv = _mm256_set1_ps(m);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
-  if (i < n) {
-    alignas(32) float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    std::memcpy(t, x + i, (n - i) * sizeof(float));
-    _mm256_store_ps(t, exp256(_mm256_sub_ps(_mm256_load_ps(t), mv)));
-    std::memcpy(x + i, t, (n - i) * sizeof(float));
-  }
-  float s = 0.f;
-  for (int64_t j = 0; j < n; j++) s += x[j];
-  return s;
-}
-
 // Scores of up to 8 keys against one query (float32 keys at offs[0..n) of kbase), the keys in lanes:
-// eight independent chains of fused multiply-adds over the 8-wide chunks of d, reduced together by
-// one transposition (horizontal adds), where dot_avx2 runs one latency-bound chain per key.
+// each key's dot product is dot_avx2's, bit for bit, but eight keys' chains of fused multiply-adds
+// run side by side and are reduced together, where dot_avx2 runs one latency-bound chain per key.
 template <int C>
 SG_AVX2 static inline void scores8_avx2(const float* q, const float* kbase, const int64_t* offs, int64_t n, float sc,
                                         float* out) {
@@ -378,14 +362,20 @@ SG_AVX2 static inline void scores8_avx2(const float* q, const float* kbase, cons
     __m256 qc = _mm256_loadu_ps(q + 8 * c);
     for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[k] + 8 * c), acc[k]);
   }
-  // Per 128-bit half: after two rounds of pairwise adds, lane k holds key k's (or k + 4's) partial sum.
-  __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-  __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-  __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
-  __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  alignas(32) float t[8];
-  _mm256_store_ps(t, _mm256_mul_ps(sum, _mm256_set1_ps(sc)));
-  for (int64_t k = 0; k < std::min<int64_t>(8, n); k++) out[k] = t[k];
+  // dot_avx2's reduction of each key, bit for bit: s = low half + high half (4 lanes), then
+  // (s0 + s2) + (s1 + s3). Keys k and k + 4 share a vector, one per 128-bit half.
+  __m256 t[4];
+  for (int k = 0; k < 4; k++)
+    t[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[k], acc[k + 4], 0x20),
+                         _mm256_permute2f128_ps(acc[k], acc[k + 4], 0x31));
+  // Per half: [keys 0, 1: s0 + s2, then s1 + s3] and the same for keys 2, 3.
+  __m256 u01 = _mm256_add_ps(_mm256_unpacklo_ps(t[0], t[1]), _mm256_unpackhi_ps(t[0], t[1]));
+  __m256 u23 = _mm256_add_ps(_mm256_unpacklo_ps(t[2], t[3]), _mm256_unpackhi_ps(t[2], t[3]));
+  __m256 sum = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_mul_ps(sum, _mm256_set1_ps(sc)));
+  for (int64_t k = 0; k < std::min<int64_t>(8, n); k++) out[k] = r[k];
 }
 
 // tile [n, 8 C] float32 = the pool rows at offs[0..n) (bfloat16 or float32).
@@ -396,7 +386,8 @@ SG_AVX2 static inline void widen_avx2(const void* base, const int64_t* offs, int
 }
 
 // group_avx512's method with 256-bit vectors: the G query heads of one kv head read each tile of keys
-// and values once, widened to float32 once; every head's arithmetic is the same whatever the batch.
+// and values once, widened to float32 once; every head's arithmetic is attend_head's on AVX2 (its
+// dot products, std::exp, the values' FMAs in key order), so a token is the same as there.
 template <int C>
 SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
                                float* score, float* total, float* tile, float* o) {
@@ -412,9 +403,10 @@ SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const i
   }
   for (int64_t g = 0; g < G; g++) {
     float* sg = score + g * m;
-    float top = -INFINITY;
+    float top = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < m; j++) top = std::max(top, sg[j]);
-    total[g] = exp_sum_avx2(sg, m, top);
+    for (int64_t j = 0; j < m; j++) sum += (sg[j] = std::exp(sg[j] - top));  // attend_head's exp
+    total[g] = sum;
   }
   // Values: 8 chunks of d (64 floats) at a time stay in registers.
   constexpr int CH = C < 8 ? C : 8;
@@ -491,8 +483,6 @@ static void attend_head(const float* qv, const Pool& p, const int64_t* offs, int
 #if SG_X86
   if (v512) {
     total = exp_sum_avx512(score, m, top);
-  } else if (v256) {
-    total = exp_sum_avx2(score, m, top);
   } else
 #endif
   {

@@ -1,5 +1,5 @@
 // What a decoder layer does to a product's input before the product (RMSNorm, SwiGLU / GeGLU), on the
-// vector unit the kernels use; exp512 and exp256 serve attention's softmax too.
+// vector unit the kernels use; exp512 serves attention's softmax too.
 
 #pragma once
 
@@ -45,42 +45,6 @@ SG_AVX512 static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// exp256: exp512's steps with 256-bit vectors; 2^n is built in the exponent field (n is within
-// +-126 after the clamp, so it is a normal float and the product is exact).
-SG_AVX2 static inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(87.f)), _mm256_set1_ps(-87.f));
-  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-SG_AVX2 static void gated_avx2(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
-  int64_t i = 0;
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    __m256 g = _mm256_loadu_ps(gate + i);
-    __m256 a = g;
-    if (act == ACT_GELU_TANH) {
-      __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-      __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube));
-      a = _mm256_mul_ps(_mm256_set1_ps(2.f * 0.7978845608028654f), inner);
-    }
-    __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-    __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_loadu_ps(up + i)));
-  }
-  for (; i < n; i++) out[i] = (act == ACT_GELU_TANH ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
-}
-
 SG_AVX512 static void gated_avx512(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
   int64_t i = 0;
   const __m512 one = _mm512_set1_ps(1.f);
@@ -109,10 +73,6 @@ static void gated_rows(const float* x, int64_t rows, int64_t in, float* out, int
 #if SG_X86
       if (isa() >= 2) {
         gated_avx512(g, g + in, out + r * in, in, act);
-        continue;
-      }
-      if (isa() == 1) {
-        gated_avx2(g, g + in, out + r * in, in, act);
         continue;
       }
 #endif
