@@ -460,13 +460,54 @@ SG_AVX2 static inline __m256 sub_scales256(const uint8_t* at, int h, bool is_sig
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
 
+// Half h of a block's scales S and biases B (the types with one float step per block of 32): from
+// the superblock's dv / mv and the sub-block bytes (Q4_K, Q5_K), or the block's own halves.
+template <int64_t TYPE>
+SG_AVX2 static inline void block_scales256(const uint8_t* sc, int j, int h, __m256 dv, __m256 mv, __m256& S,
+                                           __m256& B) {
+  constexpr Layout L = layout_of(TYPE);
+  B = _mm256_setzero_ps();
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    S = _mm256_mul_ps(dv, sub_scales256(sc + 64 + 16 * j, h, false));
+    B = _mm256_mul_ps(mv, sub_scales256(sc + 192 + 16 * j, h, false));
+  } else {
+    const uint8_t* block = sc + j * L.scale_bytes / 2;
+    S = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * h)));
+    if constexpr (L.has_min) B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 32 + 16 * h)));
+  }
+}
+
+// acc += one block's integer sum `dot` of a row (k: its block index in a.xs), scaled, with the
+// type's offset or bias term (Q8_0's products are signed here, u - 128: no offset to take off).
+template <int64_t TYPE>
+SG_AVX2 static inline __m256 accumulate256(__m256 acc, __m256i dot, __m256 S, __m256 B, const Act& a, int64_t k) {
+  constexpr Layout L = layout_of(TYPE);
+  if constexpr (!L.has_min && L.bits != 8) dot = _mm256_add_epi32(_mm256_set1_epi32(-a.s32[k] * L.offset), dot);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(S, _mm256_set1_ps(a.xs[k])), acc);
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) return _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc);
+  else if constexpr (L.has_min) return _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc);
+  return acc;
+}
+
+// Rows r0 .. r0 + R - 1 of half h of panel p into y, with the matrix's bias.
+template <int R>
+SG_AVX2 static inline void store_half256(const Matrix& m, int64_t p, int h, int64_t valid, const __m256* acc, int64_t r0,
+                                         float* y, int64_t ld) {
+  const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
+  const int64_t first = p * PANEL + 8 * h;
+  for (int r = 0; r < R; r++) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    float* dst = y + (r0 + r) * ld + m.out_offset + first;
+    for (int64_t i = 0; i < lanes; i++) dst[i] = out[i] + (m.bias ? m.bias[first + i] : 0.f);
+  }
+}
+
 template <int64_t TYPE, int R>
 SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r0, float* y, int64_t ld) {
   constexpr Layout L = layout_of(TYPE);
   constexpr int blocks = (int)(L.unit / 32);
   constexpr bool kmin = TYPE == Q4_K || TYPE == Q5_K;
-  // Q8_0's products are signed here (u - 128): no offset to take off.
-  constexpr bool offset = !L.has_min && L.bits != 8;
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
   const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
@@ -497,36 +538,16 @@ SG_AVX2 static void panel256(const Matrix& m, int64_t p, const Act& a, int64_t r
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(Sb, xs), acc[r]);
           }
         } else {
-          __m256 S, B = _mm256_setzero_ps();
-          if constexpr (kmin) {
-            S = _mm256_mul_ps(dv, sub_scales256(sc + 64 + 16 * j, h, false));
-            B = _mm256_mul_ps(mv, sub_scales256(sc + 192 + 16 * j, h, false));
-          } else {
-            const uint8_t* block = sc + j * L.scale_bytes / 2;
-            S = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * h)));
-            if constexpr (L.has_min) B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 32 + 16 * h)));
-          }
+          __m256 S, B;
+          block_scales256<TYPE>(sc, j, h, dv, mv, S, B);
           for (int r = 0; r < R; r++) {
-            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
-            const int64_t k = (r0 + r) * a.nb + b;
-            __m256i dot = dot256<L.bits>(C, x, 0, 8);
-            if constexpr (offset) dot = _mm256_add_epi32(_mm256_set1_epi32(-a.s32[k] * L.offset), dot);
-            const __m256 xs = _mm256_set1_ps(a.xs[k]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(S, xs), acc[r]);
-            if constexpr (kmin) acc[r] = _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
-            else if constexpr (L.has_min) acc[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
+            const __m256i dot = dot256<L.bits>(C, a.q + (r0 + r) * a.K + 32 * b, 0, 8);
+            acc[r] = accumulate256<TYPE>(acc[r], dot, S, B, a, (r0 + r) * a.nb + b);
           }
         }
       }
     }
-    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
-    const int64_t first = p * PANEL + 8 * h;
-    for (int r = 0; r < R; r++) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[r]);
-      float* dst = y + (r0 + r) * ld + m.out_offset + first;
-      for (int64_t i = 0; i < lanes; i++) dst[i] = out[i] + (m.bias ? m.bias[first + i] : 0.f);
-    }
+    store_half256<R>(m, p, h, valid, acc, r0, y, ld);
   }
 }
 
@@ -541,7 +562,6 @@ SG_AVX2 static void panel256q4(const Matrix& m, int64_t p, const Act& a, int64_t
   static_assert(L.bits == 4, "4-bit codes only");
   constexpr int blocks = (int)(L.unit / 32);
   constexpr bool kmin = TYPE == Q4_K;
-  constexpr bool offset = !L.has_min;
   const uint8_t* panel = m.w + p * m.panel_bytes;
   const int64_t units = a.K / L.unit;
   const int64_t valid = std::min<int64_t>(PANEL, m.rows - p * PANEL);
@@ -577,35 +597,14 @@ SG_AVX2 static void panel256q4(const Matrix& m, int64_t p, const Act& a, int64_t
             __asm__("" : "+x"(s[r]));
           }
         }
-        __m256 S, B = _mm256_setzero_ps();
-        if constexpr (kmin) {
-          S = _mm256_mul_ps(dv, sub_scales256(sc + 64 + 16 * j, h, false));
-          B = _mm256_mul_ps(mv, sub_scales256(sc + 192 + 16 * j, h, false));
-        } else {
-          const uint8_t* block = sc + j * L.scale_bytes / 2;
-          S = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * h)));
-          if constexpr (L.has_min) B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 32 + 16 * h)));
-        }
+        __m256 S, B;
+        block_scales256<TYPE>(sc, j, h, dv, mv, S, B);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-          const int64_t k = (r0 + r) * a.nb + b;
-          __m256i dot = _mm256_madd_epi16(s[r], ones);
-          if constexpr (offset) dot = _mm256_add_epi32(_mm256_set1_epi32(-a.s32[k] * L.offset), dot);
-          const __m256 xs = _mm256_set1_ps(a.xs[k]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(S, xs), acc[r]);
-          if constexpr (kmin) acc[r] = _mm256_fnmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
-          else if constexpr (L.has_min) acc[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.gs[k]), acc[r]);
-        }
+        for (int r = 0; r < R; r++)
+          acc[r] = accumulate256<TYPE>(acc[r], _mm256_madd_epi16(s[r], ones), S, B, a, (r0 + r) * a.nb + b);
       }
     }
-    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
-    const int64_t first = p * PANEL + 8 * h;
-    for (int r = 0; r < R; r++) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[r]);
-      float* dst = y + (r0 + r) * ld + m.out_offset + first;
-      for (int64_t i = 0; i < lanes; i++) dst[i] = out[i] + (m.bias ? m.bias[first + i] : 0.f);
-    }
+    store_half256<R>(m, p, h, valid, acc, r0, y, ld);
   }
 }
 
