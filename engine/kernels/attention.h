@@ -182,6 +182,14 @@ static void axpy_scalar(float* acc, float w, const Pool& p, int64_t off, int64_t
   }
 }
 
+// e[i] = exp(x[i] - m) by std::exp, and their sum in index order: the softmax of the paths without
+// a vector exp (their tokens stay what they were).
+static float exp_sum_scalar(float* x, int64_t n, float m) {
+  float total = 0.f;
+  for (int64_t j = 0; j < n; j++) total += (x[j] = std::exp(x[j] - m));
+  return total;
+}
+
 #if SG_X86
 SG_AVX512 static inline __m512 load16(const void* base, int64_t off, bool bf16) {
   if (bf16) {
@@ -378,15 +386,15 @@ SG_AVX2 static inline void scores8_avx2(const float* q, const float* kbase, cons
   for (int64_t k = 0; k < std::min<int64_t>(8, n); k++) out[k] = r[k];
 }
 
-// tile [n, 8 C] float32 = the pool rows at offs[0..n) (bfloat16 or float32).
+// tile [n, 8 C] float32 = the bfloat16 pool rows at offs[0..n).
 template <int C>
-SG_AVX2 static inline void widen_avx2(const void* base, const int64_t* offs, int64_t n, bool bf16, float* tile) {
+SG_AVX2 static inline void widen_avx2(const void* base, const int64_t* offs, int64_t n, float* tile) {
   for (int64_t r = 0; r < n; r++)
-    for (int c = 0; c < C; c++) _mm256_storeu_ps(tile + r * 8 * C + 8 * c, load8(base, offs[r] + 8 * c, bf16));
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(tile + r * 8 * C + 8 * c, load8(base, offs[r] + 8 * c, true));
 }
 
 // group_avx512's method with 256-bit vectors: the G query heads of one kv head read each tile of keys
-// and values once, widened to float32 once; every head's arithmetic is attend_head's on AVX2 (its
+// and values once (a bfloat16 pool's widened to float32 once); every head's arithmetic is attend_head's on AVX2 (its
 // dot products, std::exp, the values' FMAs in key order), so a token is the same as there.
 template <int C>
 SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const int64_t* offs, int64_t m, float sc,
@@ -396,23 +404,24 @@ SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const i
   for (int64_t r = 0; r < TILE; r++) local[r] = r * D;
   for (int64_t j0 = 0; j0 < m; j0 += TILE) {
     int64_t n = std::min(TILE, m - j0);
-    widen_avx2<C>(p.k, offs + j0, n, p.bf16, tile);
+    if (p.bf16) widen_avx2<C>(p.k, offs + j0, n, tile);
+    const float* kb = p.bf16 ? tile : (const float*)p.k;
+    const int64_t* ko = p.bf16 ? local : offs + j0;
     for (int64_t g = 0; g < G; g++)
       for (int64_t b = 0; b < n; b += 8)
-        scores8_avx2<C>(q + g * D, tile, local + b, std::min<int64_t>(8, n - b), sc, score + g * m + j0 + b);
+        scores8_avx2<C>(q + g * D, kb, ko + b, std::min<int64_t>(8, n - b), sc, score + g * m + j0 + b);
   }
   for (int64_t g = 0; g < G; g++) {
     float* sg = score + g * m;
-    float top = -INFINITY, sum = 0.f;
+    float top = -INFINITY;
     for (int64_t j = 0; j < m; j++) top = std::max(top, sg[j]);
-    for (int64_t j = 0; j < m; j++) sum += (sg[j] = std::exp(sg[j] - top));  // attend_head's exp
-    total[g] = sum;
+    total[g] = exp_sum_scalar(sg, m, top);
   }
   // Values: 8 chunks of d (64 floats) at a time stay in registers.
   constexpr int CH = C < 8 ? C : 8;
   for (int64_t j0 = 0; j0 < m; j0 += TILE) {
     int64_t n = std::min(TILE, m - j0);
-    widen_avx2<C>(p.v, offs + j0, n, p.bf16, tile);
+    if (p.bf16) widen_avx2<C>(p.v, offs + j0, n, tile);
     for (int64_t g = 0; g < G; g++) {
       const float* w = score + g * m + j0;
       for (int c0 = 0; c0 < C; c0 += CH) {
@@ -421,7 +430,7 @@ SG_AVX2 static void group_avx2(const float* q, int64_t G, const Pool& p, const i
         for (int c = 0; c < CH; c++) acc[c] = _mm256_loadu_ps(og + 8 * c);
         for (int64_t r = 0; r < n; r++) {
           __m256 wv = _mm256_set1_ps(w[r]);
-          const float* row = tile + r * D + 8 * c0;
+          const float* row = (p.bf16 ? tile + r * D : (const float*)p.v + offs[j0 + r]) + 8 * c0;
           for (int c = 0; c < CH; c++) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + 8 * c), acc[c]);
         }
         for (int c = 0; c < CH; c++) _mm256_storeu_ps(og + 8 * c, acc[c]);
@@ -486,8 +495,7 @@ static void attend_head(const float* qv, const Pool& p, const int64_t* offs, int
   } else
 #endif
   {
-    total = 0.f;
-    for (int64_t j = 0; j < m; j++) total += (score[j] = std::exp(score[j] - top));
+    total = exp_sum_scalar(score, m, top);
   }
 #if SG_X86
   if (v512) {
