@@ -14,6 +14,10 @@ MAX_TOKENS = 32
 # For structured outputs and forced tool calls: the grammar makes the answer a Person.
 EXTRACT = "John is 30 years old."
 STRUCTURED_MAX_TOKENS = 64
+# For a forced tool call: EXTRACT's call is decided by a near-tie (0.02-0.27 nats, by the CPU's
+# bf16 path) between ' ' and ' "' after `"name":`, and the losing ' ' opens a string that never
+# closes. Here every step's greedy choice leads by at least 1.6 nats on AVX2 and AVX-512 alike.
+RECORD = "Record this person: John, 30 years old."
 WEATHER = "What is the weather in Paris?"
 
 

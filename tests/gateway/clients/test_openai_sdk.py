@@ -15,6 +15,7 @@ from tests.gateway.clients.shared import (
     MAX_TOKENS,
     MODEL,
     QUESTION,
+    RECORD,
     STRUCTURED_MAX_TOKENS,
     Person,
 )
@@ -88,7 +89,7 @@ def test_parse_a_forced_tool_call(client: openai.OpenAI) -> None:
     """`pydantic_function_tool` + `parse`: the call's arguments come back parsed into the model."""
     r = client.chat.completions.parse(
         model=MODEL,
-        messages=[{"role": "user", "content": EXTRACT}],
+        messages=[{"role": "user", "content": RECORD}],
         tools=[openai.pydantic_function_tool(Person)],
         tool_choice={"type": "function", "function": {"name": "Person"}},
         parallel_tool_calls=False,
