@@ -9,6 +9,7 @@ whatever else shares its batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,41 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return logits
 
 
+_DRAW_BLOCK = 1024  # entries per block of the two-level cumulative sum in `draw`
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn from the law `probs` [vocab] (non-negative, any positive finite total) by
+    inverting its cumulative sum, in float64, at one uniform draw of `generator`: the sum of each
+    block of entries, then the sum within the one block the draw falls in. torch.multinomial over a
+    152k vocabulary took ~2.4 ms a draw on two CPU cores (a tenth of a 1.5B model's decode step), a
+    float64 cumulative sum over all of it ~0.8 ms; this takes under 0.1 ms. An index of probability
+    0 is never drawn: it adds nothing to the sum."""
+    p = probs.reshape(-1)  # [vocab]
+    n = p.numel()
+    full = n - n % _DRAW_BLOCK
+    # Block sums straight into float64: a float64 copy of the whole law (and its padding) cost more
+    # than the rest together, most of it in page faults.
+    sums = p[:full].view(-1, _DRAW_BLOCK).sum(dim=1, dtype=torch.float64)  # [num_full_blocks]
+    if full < n:
+        sums = torch.cat([sums, p[full:].sum(dtype=torch.float64).reshape(1)])
+    ends = sums.cumsum(0)  # [num_blocks]: the cumulative sum at each block's end
+    total = float(ends[-1])
+    if not (total > 0 and math.isfinite(total)):
+        raise RuntimeError(f"cannot draw from a distribution whose total is {total}")
+    x = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * total
+    b = int(torch.searchsorted(ends, x.reshape(1), right=True))
+    if b < len(ends):
+        block = p[b * _DRAW_BLOCK : (b + 1) * _DRAW_BLOCK]
+        inside = block.double().cumsum(0) + (ends[b - 1] if b else 0.0)  # [block]
+        j = int(torch.searchsorted(inside, x.reshape(1), right=True))
+        if j < len(block):
+            return b * _DRAW_BLOCK + j
+    # x rounded up to a block's end (u * total can reach the total): the last index up to that block
+    # holding mass.
+    return int(torch.nonzero(p[: (min(b, len(ends) - 1) + 1) * _DRAW_BLOCK] > 0)[-1])
+
+
 def sample(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Draw one token per row from processed logits [n, vocab]; greedy rows take the argmax."""
     greedy = processed.argmax(dim=-1).tolist()
@@ -125,7 +161,7 @@ def sample(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
             continue
         if probs is None:
             probs = processed.softmax(dim=-1)  # [n, vocab]
-        out.append(int(torch.multinomial(probs[i], 1, generator=row.generator).item()))
+        out.append(draw(probs[i], row.generator))
     return out
 
 

@@ -342,9 +342,13 @@ SG_AVX512 static void panel512(const Matrix& m, int64_t p, const Act& a, int64_t
         for (int r = 0; r < R; r++) {
           const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
           const int64_t k = (r0 + r) * a.nb + b;
+          // Two chains of 4: Zen 5 issues two dot products a cycle, and one chain of 8 a row left
+          // it waiting on their latency (integer sums: the same result in either order).
           __m512i i0 = L.has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(-a.s32[k] * L.offset);
+          __m512i i1 = _mm512_setzero_si512();
           i0 = dp(dp(dp(dp(i0, C[0], x), C[1], x + 4), C[2], x + 8), C[3], x + 12);
-          i0 = dp(dp(dp(dp(i0, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
+          i1 = dp(dp(dp(dp(i1, C[4], x + 16), C[5], x + 20), C[6], x + 24), C[7], x + 28);
+          i0 = _mm512_add_epi32(i0, i1);
           const __m512 xs = _mm512_set1_ps(a.xs[k]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(S, xs), acc[r]);
           if constexpr (kmin) acc[r] = _mm512_fnmadd_ps(B, _mm512_set1_ps(a.gs[k]), acc[r]);

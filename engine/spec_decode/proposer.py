@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specgate.engine.sampler import SamplingRow
+from specgate.engine.sampler import SamplingRow, draw
 from specgate.engine.structured_output.constraint import Constraint
 
 
@@ -117,7 +117,7 @@ def draw_draft(processed: torch.Tensor, row: SamplingRow) -> tuple[int, torch.Te
     if row.params.greedy:
         return int(processed.argmax()), None
     q = processed.softmax(dim=-1)
-    return int(torch.multinomial(q, 1, generator=row.generator).item()), q
+    return draw(q, row.generator), q
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specgate.engine.sampler import draw
 from specgate.engine.spec_decode.draft_tree import children
 
 
@@ -64,7 +65,7 @@ def verify_sampled(
         dist = residual if float(residual.sum()) > 0 else p[n]
     else:
         dist = p[k]
-    extra = int(torch.multinomial(dist, 1, generator=generator).item())
+    extra = draw(dist, generator)
     return Verification([*draft[:n], extra], n)
 
 
@@ -132,7 +133,7 @@ def verify_tree_sampled(
             # r == q_c up to rounding leaves no mass; r itself is then the right law.
             r = residual / total if total > 0 else r
         else:
-            extra = int(torch.multinomial(r, 1, generator=generator).item())
+            extra = draw(r, generator)
             return TreeVerification([*(draft[i] for i in path), extra], path)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specgate.engine.sampler import SamplingRow, process_logits, sample, token_logprobs
+from specgate.engine.sampler import SamplingRow, draw, process_logits, sample, token_logprobs
 from specgate.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 96
@@ -585,3 +585,33 @@ def test_greedy_and_has_penalties_flags() -> None:
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=-0.1).has_penalties
     assert SamplingParams(frequency_penalty=0.1).has_penalties
+
+
+# ---- draw: one index from a law, by its inverted cumulative sum --------------------------------
+
+
+def test_draw_follows_the_law_and_never_draws_an_index_without_mass() -> None:
+    # Unnormalized, zeros at both ends and in the middle: a draw that ignored the total, or shifted
+    # the found index by one, would land on a zero or skew the counts.
+    law = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 5.0, 0.0])
+    g = gen(7)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([draw(law, g) for _ in range(n)]), minlength=law.numel())
+    assert counts[law == 0].sum() == 0
+    kept = law > 0
+    expected = (law[kept] / law.sum() * n).tolist()
+    assert chisquare(counts[kept].tolist(), expected).pvalue > 1e-3
+
+
+def test_draw_at_the_top_of_the_unit_interval_takes_the_last_index_with_mass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # u * total can round up to the total itself; the last indices hold nothing here.
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.2, 0.3, 0.5, 0.0, 0.0]), None) == 2
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_draw_refuses_a_law_without_a_positive_finite_total(bad: list[float]) -> None:
+    with pytest.raises(RuntimeError, match="total"):
+        draw(torch.tensor(bad), gen(0))
