@@ -86,6 +86,16 @@ def test_low_confidence_uses_the_uncertain_rule() -> None:
     assert d.arm.method == "ngram" and d.spec.k_max == 3 and d.reason.startswith("uncertain")
 
 
+def test_no_default_rule_forces_a_draft_every_step() -> None:
+    """k_min 0 for every class and for `uncertain`: the engine's controller decides each step's K
+    for the whole batch. A floor of 1 made that request draft in every pass, which under load slows
+    the pass for all its batch mates."""
+    rules = RuleConfig()
+    assert all(rule.k_min == 0 for rule in [*rules.classes.values(), rules.uncertain])
+    d = RulePolicy(rules, seed=0).decide(ctx("code", conf=0.3), explore=False)
+    assert d.spec is not None and d.spec.k_min == 0
+
+
 def test_external_backend_decides_its_own_speculation_and_unhealthy_ones_are_skipped() -> None:
     arms = [Arm("vllm", "upstream"), *EMBEDDED]
     assert decide(ctx("code", arms=arms)) == "vllm:upstream"
