@@ -109,34 +109,40 @@ def test_the_victims_short_request_overtakes_the_hogs_queue(tenants: LiveGateway
 
 
 def test_a_key_with_limits_of_its_own(tenants: LiveGateway) -> None:
-    results: list[int] = []
-
-    def one(stream: bool) -> None:
-        results.append(_post(tenants, SMALL, 60, stream=stream).status_code)
-
-    first = threading.Thread(target=one, args=(True,))
-    first.start()
-    assert wait_for(
-        lambda: tenants.services.in_flight.count(f"stream:{tenants.services.key_ids.of(SMALL)}") == 1, 20
-    )
-    second_stream = _post(tenants, SMALL, 2, stream=True)
-    assert second_stream.status_code == 429  # one stream at a time for this key
-    assert "streams" in second_stream.json()["error"]["message"]
-    assert _post(tenants, SMALL, 2).status_code == 200  # a second request, not a stream, still fits
-    first.join(60)
-    assert results == [200]
+    # The first stream is read here, a chunk at a time, so it is still open (hundreds of decode
+    # steps from its end) when the second one is sent: a short stream in a thread could end first.
+    headers = {"authorization": f"Bearer {SMALL}"}
+    url = f"{tenants.url}/v1/chat/completions"
+    with httpx.stream(
+        "POST", url, json=_body(tenants, 400, stream=True), headers=headers, timeout=120
+    ) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)  # the stream has begun
+        assert tenants.services.in_flight.count(f"stream:{tenants.services.key_ids.of(SMALL)}") == 1
+        second_stream = _post(tenants, SMALL, 2, stream=True)
+        assert second_stream.status_code == 429  # one stream at a time for this key
+        assert "streams" in second_stream.json()["error"]["message"]
+        assert _post(tenants, SMALL, 2).status_code == 200  # a second request, not a stream, still fits
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"  # the first stream lost nothing
+    key = f"stream:{tenants.services.key_ids.of(SMALL)}"
+    assert wait_for(lambda: tenants.services.in_flight.count(key) == 0, 10)  # its slot came back
+    assert _post(tenants, SMALL, 2, stream=True).status_code == 200
 
 
 def test_open_mode_caps_per_client_address(tiny_llama_dir: Path) -> None:
     live = start_gateway(tiny_settings(str(tiny_llama_dir), max_in_flight_per_key=1, log_requests=False))
     try:
-        done: list[int] = []
-        t = threading.Thread(target=lambda: done.append(_post(live, "anything", 80).status_code))
-        t.start()
-        assert wait_for(lambda: live.services.in_flight.count("req:addr:127.0.0.1") == 1, 20)
-        assert _post(live, "another-made-up-key", 2).status_code == 429  # a new bearer buys nothing
-        t.join(60)
-        assert done == [200]
+        url, body = f"{live.url}/v1/chat/completions", _body(live, 400, stream=True)
+        headers = {"authorization": "Bearer anything"}
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as first:  # held open here
+            lines = first.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)
+            assert live.services.in_flight.count("req:addr:127.0.0.1") == 1
+            assert _post(live, "another-made-up-key", 2).status_code == 429  # a new bearer buys nothing
+            rest = [line for line in lines if line]
+        assert first.status_code == 200 and rest[-1] == "data: [DONE]"
     finally:
         live.stop()
 
