@@ -111,9 +111,24 @@ class Phase:
 
 
 async def phases(
-    arms: Sequence[Arm], n: int, in_flight: int, send_one: Send, on_done: OnDone = lambda: None
+    arms: Sequence[Arm],
+    n: int,
+    in_flight: int,
+    send_one: Send,
+    on_done: OnDone = lambda: None,
+    warm_up: bool = True,
 ) -> list[Phase]:
-    """Closed loops of `n` requests at `in_flight`, one arm at a time, in palindrome order."""
+    """Closed loops of `n` requests at `in_flight`, one arm at a time, in palindrome order. First,
+    unless `warm_up` is off, one untimed wave of `in_flight` requests to each arm: a server's first
+    full batch pays what a warm one does not (first-time allocations, a step-cost curve not yet
+    measured at this batch), and it would fall on the first arm's phase alone."""
+    if warm_up:
+        for arm in arms:
+
+            def warm(i: int, arm: Arm = arm) -> Awaitable[RequestResult]:
+                return send_one(arm, i, f"c{in_flight}-warm")
+
+            await closed_loop(warm, in_flight, in_flight, on_done)
     out: list[Phase] = []
     for k, arm in enumerate(palindrome(arms)):
 
@@ -319,7 +334,7 @@ def run_peers(args: argparse.Namespace, reqs: list[BenchRequest]) -> int:
     sender = Sender(uuid.uuid4().hex[:8], reqs, args.temperature, args.seed)
     arms, llama = args.arms.split(","), list(peers.settings)
     per_phase = {p: args.requests_in_flight or 2 * p for p in points}
-    total = sum(len(reqs) if p == 1 else 2 * per_phase[p] for p in points) * (len(arms) + len(llama))
+    total = sum(len(reqs) if p == 1 else 2 * per_phase[p] + p for p in points) * (len(arms) + len(llama))
     config = {"gguf": str(peers.gguf), "peer": str(peers.exe or "llama-cpp-python"), "arms": arms + llama}
     config |= {"llama_server_settings": peers.settings, "threads": peers.threads, "prompts": len(reqs)}
     config |= {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature}

@@ -62,6 +62,9 @@ class EngineConfig:
     # of n tokens runs the graph of the smallest size >= n, padded; larger steps run eagerly. Empty:
     # nothing is compiled. Compact decoder only; off in deterministic mode.
     compile_sizes: tuple[int, ...] = ()
+    # Time forward passes of 1-64 tokens once the model is loaded (Engine.warm_up), so that the
+    # draft-length controller's step-cost curve is measured before the first batch drafts on it.
+    warm_up: bool = False
     # Whether `dtype` was "auto" (the runner may then pick float32 activations: with every weight
     # matrix on the GGUF kernels, the activations' dtype costs no speed and float32 is exact-er).
     dtype_auto: bool = field(default=False, init=False)

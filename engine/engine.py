@@ -49,11 +49,15 @@ from specgate.engine.spec_decode.proposer import Proposal, Proposer
 from specgate.engine.spec_decode.rejection_sampler import verify_draft
 from specgate.engine.spec_decode.speculation import ForwardPass, Speculation
 from specgate.engine.spec_decode.verified import Verified
+from specgate.engine.step_cost import MIN_BUCKET_STEPS
 from specgate.engine.stop_rules import sampling_row
 from specgate.engine.structured_output.manager import StructuredOutputManager
 from specgate.engine.vocab import LoadSnapshot, SpecParams
 
 logger = logging.getLogger("specgate.engine")
+# Forward-pass sizes a fresh engine times (Engine.warm_up): chains and trees of one request, and a
+# full batch's decode steps with their drafts; past the last, the curve grows along its last segment.
+WARM_UP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 T = TypeVar("T")
 
 
@@ -115,6 +119,8 @@ class Engine:
         self.output_processor = OutputProcessor(
             self.max_model_len, self.eos_token_ids, self._finish, self._fail, self.speculation.commit
         )
+        if config.warm_up:
+            self.warm_up()
 
     @property
     def cost_model(self) -> CostModel:
@@ -145,6 +151,32 @@ class Engine:
     def proposer(self, method: str) -> Proposer:
         """The engine's proposer for `method`, built from the registry on first use."""
         return self.speculation.proposer(method)
+
+    def warm_up(self, sizes: Seq[int] = WARM_UP_SIZES, reps: int = MIN_BUCKET_STEPS) -> None:
+        """Time forward passes of `sizes` new tokens (each `reps` times, one sequence at the start of
+        scratch KV blocks) into the cost model, before any request. A fresh engine's controllers
+        would otherwise price drafts on whatever passes its first requests happen to run: its first
+        full batch, priced by one measured prefill chunk, drafted k_max for every request. The
+        passes also make the allocations a first batch of these sizes would pay."""
+        if self._requests:
+            raise RuntimeError("warm_up runs before any request")
+        limit = min(self.config.max_num_batched_tokens, self.max_model_len)
+        room = self.block_manager.num_free_blocks * self.config.block_size
+        sizes = [n for n in sizes if 0 < n <= min(limit, room)]
+        if not sizes:
+            return
+        table = list(range(blocks_for(max(sizes), self.config.block_size)))  # every block is free
+        ids = [(7919 * i) % self.runner.vocab_size for i in range(max(sizes))]  # any tokens will do
+        began = time.perf_counter()
+        for _ in range(reps):
+            for n in sizes:
+                started = time.perf_counter()
+                logits = self.runner.execute([ForwardItem(ids[:n], 0, table, n)])  # [n, vocab]
+                logits.argmax(dim=-1).tolist()  # as a pass's picks would (and waits for a GPU)
+                seconds = time.perf_counter() - started
+                self.cost_model.observe_forward(n, seconds, mean_context([(0, n)]))
+        took = time.perf_counter() - began
+        logger.info("warm-up: %d timed passes of %s tokens in %.2f s", reps * len(sizes), sizes, took)
 
     # ---- public API -------------------------------------------------------------------------
 

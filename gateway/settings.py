@@ -55,6 +55,9 @@ class EmbeddedSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     convert_cache_dir: str | None = None
     seed: int = 0
+    # Time forward passes of 1-64 tokens after loading (a second or two on a 1.5B model on two
+    # cores), so that speculation's step-cost curve is measured before the first requests draft.
+    warm_up: bool = True
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
     max_waiting: int = Field(256, ge=1)
     # How requests speculate unless the routing policy or the request says otherwise: the engine's

@@ -23,6 +23,11 @@ WINDOW = 15  # recent passes kept per (context bucket, token bucket)
 _DRAFT_EWMA = 0.2
 
 
+def _prior(num_tokens: int) -> float:
+    """A pass's cost in one-token steps, before two sizes are measured anywhere."""
+    return 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - 1)
+
+
 def _context_bucket(context: float) -> int:
     """0 below 128 keys per token, then one bucket per doubling."""
     return (int(context) >> 7).bit_length()
@@ -88,18 +93,16 @@ class CostModel:
         """Seconds for a forward pass; relative units before any data."""
         curve = self.curve(context)
         if curve is None:
-            return 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - 1)
-        if len(curve.tokens) == 1 and num_tokens > curve.tokens[0]:
-            # One size measured at this context (decoding alone, say): longer passes grow as they do
-            # at the nearest context that has measured them (the products dominate a pass and do
-            # not depend on the context), else by the prior.
+            return _prior(num_tokens)
+        if len(curve.tokens) == 1 and num_tokens != curve.tokens[0]:
+            # One size measured at this context (decoding alone, or one prefill chunk): other sizes
+            # scale from it as they do at the nearest context that has measured several (the
+            # products dominate a pass and do not depend on the context), else by the prior. Not
+            # flat: a bucket that has seen only a 500-token prefill chunk would price a 16-token
+            # decode step, and any drafts added to it, at that chunk's cost.
             x, ms = curve.tokens[0], curve.ms[0]
             shape = self._shape(context)
-            grow = (
-                shape.at(num_tokens) / shape.at(x)
-                if shape
-                else 1.0 + PRIOR_MARGINAL_FRACTION * (num_tokens - x)
-            )
+            grow = shape.at(num_tokens) / shape.at(x) if shape else _prior(num_tokens) / _prior(x)
             return ms * grow / 1e3
         return curve.at(num_tokens) / 1e3
 

@@ -98,7 +98,12 @@ def test_phases_are_closed_loops_in_palindrome_order() -> None:
     done = asyncio.run(interleaved.phases(arms, 6, 3, fake_send(log)))
     assert [p.arm for p in done] == ["A", "B", "B", "A"]
     assert [p.summary()["requests"] for p in done] == [6, 6, 6, 6]
-    assert {(a, p) for a, _, p in log} == {("A", "c3-0"), ("B", "c3-1"), ("B", "c3-2"), ("A", "c3-3")}
+    # One untimed wave of 3 to each arm first, in the report nowhere.
+    assert [(a, p) for a, _, p in log[:6]] == [("A", "c3-warm")] * 3 + [("B", "c3-warm")] * 3
+    assert {(a, p) for a, _, p in log[6:]} == {("A", "c3-0"), ("B", "c3-1"), ("B", "c3-2"), ("A", "c3-3")}
+    cold: list[tuple[str, int, str]] = []
+    assert len(asyncio.run(interleaved.phases(arms, 6, 3, fake_send(cold), warm_up=False))) == 4
+    assert {p for *_, p in cold} == {"c3-0", "c3-1", "c3-2", "c3-3"}
     s = done[0].summary()
     assert s["tokens"] == 24 and s["tok_s"] == pytest.approx(24 / s["seconds"]) and s["failed"] == 0
     means = interleaved.phase_means(done, ["A", "B"])

@@ -263,3 +263,35 @@ def test_fair_preemption_between_tenants_never_changes_greedy_output(
     for i, rid in enumerate(["hog0", "hog1", "hog2", "hog3", "victim"]):
         assert tokens(outs[rid]) == hf_greedy(tiny_llama_dir, ps[i], 20), f"{rid} diverged"
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_warm_up_measures_the_step_cost_curve_and_changes_no_output(
+    make_engine: Callable[..., Engine],
+) -> None:
+    from specgate.engine.engine import WARM_UP_SIZES
+    from specgate.engine.step_cost import MIN_BUCKET_STEPS
+    from specgate.engine.vocab import SpecParams
+
+    cold, warm = make_engine(), make_engine(warm_up=True)
+    assert cold.cost_model.curve() is None
+    curve = warm.cost_model.curve()
+    assert curve is not None and curve.tokens == list(WARM_UP_SIZES)  # every size, each timed enough
+    assert curve.n_steps == MIN_BUCKET_STEPS * len(WARM_UP_SIZES)
+    assert warm.block_manager.num_free_blocks == cold.block_manager.num_free_blocks
+    # The scratch passes wrote keys and values into free blocks: requests that take them after
+    # read only what they wrote themselves.
+    spec = SpecParams(method="ngram", controller="static", num_speculative_tokens=3)
+    ps = prompts([30, 12, 50], seed=3)
+    answers = []
+    for engine in (cold, warm):
+        for i, p in enumerate(ps):
+            engine.add_request(f"r{i}", p * 2, SamplingParams(max_tokens=20, **GREEDY), spec)
+        outs = run_to_completion(engine)
+        answers.append([tokens(outs[f"r{i}"]) for i in range(len(ps))])
+    assert answers[0] == answers[1]
+    with pytest.raises(RuntimeError, match="before any request"):
+        warm.add_request("late", ps[0], SamplingParams(max_tokens=50, **GREEDY))
+        warm.warm_up()
+    small = make_engine(warm_up=True, max_num_batched_tokens=8)  # no pass over the token budget
+    small_curve = small.cost_model.curve()
+    assert small_curve is not None and small_curve.tokens[-1] == 8

@@ -127,3 +127,22 @@ def test_one_size_measured_at_a_context_borrows_the_growth_of_another() -> None:
         cost.observe_forward(1, 0.030, context=50)
         cost.observe_forward(9, 0.060, context=50)
     assert cost.forward_time(5, context=2000) == pytest.approx(0.040 * 0.045 / 0.030)
+
+
+def test_one_large_pass_measured_does_not_price_small_ones_at_its_cost() -> None:
+    # A fresh engine at 16 in flight: the first pass at a context is a 512-token prefill chunk. A
+    # 16-token decode step there, and drafts added to it, must not cost what the chunk cost (drafts
+    # would look free: every request drafted its whole k_max).
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_forward(512, 1.5, context=300)
+    assert cost.forward_time(512, context=300) == pytest.approx(1.5)
+    small = cost.forward_time(16, context=300)
+    prior = [1 + (n - 1) * PRIOR_MARGINAL_FRACTION for n in (16, 512)]
+    assert small == pytest.approx(1.5 * prior[0] / prior[1])
+    assert cost.forward_time(144, context=300) > 2 * small  # eight drafts for each of 16 requests
+    # With the products' growth measured at another context, that shape scales it instead.
+    for _ in range(3):
+        cost.observe_forward(16, 0.070, context=50)
+        cost.observe_forward(512, 1.4, context=50)
+    assert cost.forward_time(16, context=300) == pytest.approx(1.5 * 0.070 / 1.4)
