@@ -55,7 +55,7 @@ class EmbeddedSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     convert_cache_dir: str | None = None
     seed: int = 0
-    # Time forward passes of 1-64 tokens after loading (a second or two on a 1.5B model on two
+    # Time forward passes of 1-64 tokens after loading (about 3 s on a 1.5B model on two
     # cores), so that speculation's step-cost curve is measured before the first requests draft.
     warm_up: bool = True
     # Requests waiting for a batch slot beyond this get 503 with Retry-After.
