@@ -304,7 +304,9 @@ def test_the_rate_limit_applies(a: FakeUpstream) -> None:
 
 @pytest.mark.slow
 def test_the_in_flight_cap_applies(a: FakeUpstream) -> None:
-    knobs = {"read_timeout": 1.5, "max_retries": 0}
+    # The hung first request holds its key's one slot until the read timeout: long enough that a
+    # stalled CI machine still sends the second request inside it.
+    knobs = {"read_timeout": 4.0, "max_retries": 0}
     with running_gateway(
         backend("a", a, models={"emb": "a-emb"}, **knobs), api_keys=[KEY], max_in_flight_per_key=1
     ) as gw:

@@ -188,7 +188,6 @@ def test_shutdown_flushes_and_a_restart_replays_the_spool(
 def test_a_record_keeps_the_load_its_route_was_decided_on(tiny_llama_dir: Path) -> None:
     """While one long stream runs, the next request's record says so: the engine's batch, and one
     request of this gateway in flight on the embedded backend (its row's load columns)."""
-    import threading
 
     from specgate.gateway.telemetry.rows import request_row
     from tests.gateway.live import record_of, wait_for
@@ -205,22 +204,23 @@ def test_a_record_keeps_the_load_its_route_was_decided_on(tiny_llama_dir: Path) 
     try:
         embedded = live.services.registry.embedded
         assert embedded is not None and embedded.load().in_flight == 0
-        streaming = threading.Thread(
-            target=lambda: httpx.post(f"{live.url}/v1/chat/completions", json=long, timeout=120)
-        )
-        streaming.start()
-        assert wait_for(lambda: embedded.load().in_flight == 1, 30)
-        short = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        r = httpx.post(
-            f"{live.url}/v1/chat/completions", json=short, headers={"x-request-id": "beside"}, timeout=60
-        )
-        assert r.status_code == 200
-        rec = record_of(live, "beside")
-        assert rec is not None and rec.load is not None and rec.load.engine is not None
-        assert rec.load.backends["embedded"].in_flight == 1 and rec.load.engine.num_running >= 1
-        row = request_row(rec)
-        assert row["load_backend_in_flight"] == 1 and row["load_running"] == rec.load.engine.num_running
-        streaming.join(120)
+        # The long stream is read here, so it is still running (hundreds of steps from its end)
+        # when the short request arrives beside it.
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=long, timeout=120) as streaming:
+            lines = streaming.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)
+            assert embedded.load().in_flight == 1
+            short = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = httpx.post(
+                f"{live.url}/v1/chat/completions", json=short, headers={"x-request-id": "beside"}, timeout=60
+            )
+            assert r.status_code == 200
+            rec = record_of(live, "beside")
+            assert rec is not None and rec.load is not None and rec.load.engine is not None
+            assert rec.load.backends["embedded"].in_flight == 1 and rec.load.engine.num_running >= 1
+            row = request_row(rec)
+            assert row["load_backend_in_flight"] == 1 and row["load_running"] == rec.load.engine.num_running
+            assert [line for line in lines if line][-1] == "data: [DONE]"
         assert wait_for(lambda: embedded.load().in_flight == 0, 30)
     finally:
         live.stop()
