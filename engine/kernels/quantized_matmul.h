@@ -283,8 +283,18 @@ SG_AVX512 static inline void codes512(const uint8_t* q, const uint8_t* h, __m512
   }
 }
 
+// acc += codes (unsigned) times 4 activation values broadcast. GCC does not fold a broadcast load
+// into vpdpbusd's memory operand: it issues a vpbroadcastd beside each dot product, one vector
+// operation more for every 4 activations. The embedded broadcast ({1to16}) does the same in one:
+// products 2-6% faster on Zen 5 (8-64 rows), the same sums.
 SG_AVX512 static inline __m512i dp(__m512i acc, __m512i codes, const int8_t* x) {
+#if defined(__GNUC__) && !defined(__clang__)
+  typedef int32_t __attribute__((may_alias)) quad_t;  // 4 int8 codes read as one operand
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const quad_t*)x));
+  return acc;
+#else
   return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(quad(x)));
+#endif
 }
 
 // Panel p for activation rows r0 .. r0 + R - 1.
