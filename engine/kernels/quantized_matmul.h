@@ -289,8 +289,8 @@ SG_AVX512 static inline void codes512(const uint8_t* q, const uint8_t* h, __m512
 // products 2-6% faster on Zen 5 (8-64 rows), the same sums.
 SG_AVX512 static inline __m512i dp(__m512i acc, __m512i codes, const int8_t* x) {
 #if defined(__GNUC__) && !defined(__clang__)
-  typedef int32_t __attribute__((may_alias)) quad_t;  // 4 int8 codes read as one operand
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const quad_t*)x));
+  typedef int32_t __attribute__((may_alias)) packed4;  // 4 int8 codes as one operand
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const packed4*)x));
   return acc;
 #else
   return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(quad(x)));
